@@ -1,0 +1,424 @@
+"""The HTTP app. Routes validate, ask the scheduler for a lease, and call the backend off the loop.
+
+Every error leaves in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from packserve.api.batching import Batchers
+from packserve.api.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+)
+from packserve.core.backend import Backend, Generated, GenerationParams, OnText
+from packserve.core.backend import Message as ChatTurn
+from packserve.core.scheduler import Scheduler
+from packserve.errors import InvalidRequest, ModelOutputInvalid, PackserveError
+from packserve.types import Task
+
+log = logging.getLogger("packserve.api")
+
+Run = Callable[[Backend, OnText | None], Generated]
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
+               start_scheduler: bool = True) -> FastAPI:
+    """The ASGI app around `scheduler`. Its lifespan loads the pins and unloads at shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if start_scheduler:
+            await scheduler.start()
+        try:
+            yield
+        finally:
+            await scheduler.close()
+
+    app = FastAPI(title="packserve", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    batchers = Batchers()
+
+    # ------------------------------------------------------------ errors
+
+    @app.exception_handler(PackserveError)
+    async def _packserve_error(_: Request, exc: PackserveError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code),
+                            status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        problems, param = [], None
+        for err in exc.errors():
+            loc = [str(p) for p in err["loc"] if p != "body"]
+            where = ".".join(loc) or "body"
+            param = param or where
+            problems.append(f"{where}: {err['msg']}")
+        message = "invalid request: " + "; ".join(problems[:5])
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_, code=exc.status_code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                       "server_error"), status_code=500)
+
+    # ------------------------------------------------------------ health
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready, waiting = scheduler.ready()
+        if ready:
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not_ready", "pinned_not_loaded": waiting},
+                            status_code=503)
+
+    # ------------------------------------------------------------ OpenAI-shaped routes
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
+             "tasks": [t.value for t in m.tasks], "state": m.state.value}
+            for m in scheduler.models()]}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        texts = body.texts
+        async with scheduler.acquire(body.model, Task.EMBED) as lease:
+            out = await batchers.for_backend(lease.backend).embed(lease.backend, texts)
+        data = []
+        for i, vec in enumerate(out.vectors):
+            value: Any = (base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
+                          if body.encoding_format == "base64" else vec.tolist())
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = sum(out.tokens)
+        return {"object": "list", "data": data, "model": body.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def rerank(body: RerankRequest) -> dict[str, Any]:
+        docs = body.texts
+        async with scheduler.acquire(body.model, Task.RERANK) as lease:
+            out = await asyncio.to_thread(lease.backend.rerank, body.query, docs)
+        order = sorted(range(len(docs)), key=lambda i: out.scores[i], reverse=True)
+        results = []
+        for i in order[: body.top_n or len(docs)]:
+            row: dict[str, Any] = {"index": i, "relevance_score": out.scores[i]}
+            if body.return_documents:
+                row["document"] = {"text": docs[i]}
+            results.append(row)
+        return {"id": f"rerank-{uuid.uuid4().hex}", "model": body.model, "results": results,
+                "usage": {"total_tokens": out.tokens},
+                "meta": {"billed_units": {"search_units": 1}}}
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.add_api_route(path, rerank, methods=["POST"])
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatRequest) -> dict[str, Any] | StreamingResponse:
+        schema, json_mode = _response_format(body)
+        params = GenerationParams(
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            temperature=body.temperature, top_p=body.top_p, stop=body.stops, seed=body.seed,
+            json_schema=schema, json_object=json_mode)
+        turns = [ChatTurn("system" if m.role == "developer" else m.role, m.text)
+                 for m in body.messages]
+
+        def run(backend: Backend, on_text: OnText | None) -> Generated:
+            return backend.chat(turns, params, on_text)
+
+        def check(out: Generated) -> None:
+            if (schema is not None or json_mode) and out.finish_reason == "stop":
+                _check_json(out.text, schema, body.model)
+
+        cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+                delta: dict[str, Any] = {}
+                if text is None and finish is None:
+                    delta = {"role": "assistant", "content": ""}
+                elif text is not None:
+                    delta = {"content": text}
+                return {"id": cid, "object": "chat.completion.chunk", "created": created,
+                        "model": body.model, "choices": [
+                            {"index": 0, "delta": delta, "finish_reason": finish}]}
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await _stream(scheduler, body.model, Task.CHAT, run, chunk, check,
+                                 include_usage)
+        async with scheduler.acquire(body.model, Task.CHAT) as lease:
+            out = await asyncio.to_thread(run, lease.backend, None)
+        check(out)
+        return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                             "finish_reason": out.finish_reason}],
+                "usage": _usage(out.prompt_tokens, out.completion_tokens)}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> dict[str, Any] | StreamingResponse:
+        params = GenerationParams(max_tokens=body.max_tokens, temperature=body.temperature,
+                                  top_p=body.top_p, stop=body.stops, seed=body.seed)
+        prompts = body.prompts
+        cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            if len(prompts) != 1:
+                raise InvalidRequest("streaming takes one prompt", param="prompt")
+
+            def run(backend: Backend, on_text: OnText | None) -> Generated:
+                return backend.complete(prompts[0], params, on_text)
+
+            def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+                return {"id": cid, "object": "text_completion", "created": created,
+                        "model": body.model, "choices": [
+                            {"index": 0, "text": text or "", "finish_reason": finish,
+                             "logprobs": None}]}
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await _stream(scheduler, body.model, Task.COMPLETE, run, chunk, None,
+                                 include_usage, opening_chunk=False)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        async with scheduler.acquire(body.model, Task.COMPLETE) as lease:
+            for i, prompt in enumerate(prompts):
+                out = await asyncio.to_thread(lease.backend.complete, prompt, params, None)
+                choices.append({"index": i, "text": out.text, "finish_reason": out.finish_reason,
+                                "logprobs": None})
+                prompt_tokens += out.prompt_tokens
+                completion_tokens += out.completion_tokens
+        return {"id": cid, "object": "text_completion", "created": created, "model": body.model,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    # ------------------------------------------------------------ residency admin
+
+    @app.get("/v1/residency")
+    async def residency() -> dict[str, Any]:
+        return {
+            "devices": [asdict(d) for d in scheduler.devices()],
+            "models": [{**asdict(m), "tasks": [t.value for t in m.tasks], "state": m.state.value,
+                        "shares_weights_with": list(m.shares_weights_with)}
+                       for m in scheduler.models()],
+        }
+
+    @app.get("/v1/residency/plan")
+    async def plan(model: str) -> dict[str, Any]:
+        answer = scheduler.plan(model)
+        return {**asdict(answer), "model": model, "verdict": answer.verdict.value,
+                "victims": list(answer.victims)}
+
+    def admin(action: Callable[[str], Awaitable[None] | None]) -> Callable[[str], Any]:
+        async def route(name: str) -> dict[str, Any]:
+            result = action(name)
+            if result is not None:
+                await result
+            row = next(m for m in scheduler.models() if m.name == name)
+            return {"model": name, "state": row.state.value, "pinned": row.pinned}
+        return route
+
+    app.add_api_route("/v1/residency/{name:path}/load", admin(scheduler.load), methods=["POST"])
+    app.add_api_route("/v1/residency/{name:path}/unload", admin(scheduler.unload),
+                      methods=["POST"])
+    app.add_api_route("/v1/residency/{name:path}/pin", admin(scheduler.pin), methods=["POST"])
+    app.add_api_route("/v1/residency/{name:path}/unpin", admin(scheduler.unpin),
+                      methods=["POST"])
+    return app
+
+
+def _response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None, False
+    if fmt.type == "json_object":
+        return None, True
+    assert fmt.json_schema is not None
+    schema = fmt.json_schema.schema_
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        raise InvalidRequest(f"response_format.json_schema.schema is not a valid JSON schema: "
+                             f"{exc.message}", param="response_format") from exc
+    return schema, False
+
+
+def _check_json(text: str, schema: dict[str, object] | None, model: str) -> None:
+    """Never pass broken JSON off as an answer: it must parse and match the schema."""
+    from jsonschema import Draft202012Validator
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ModelOutputInvalid(f"model {model!r} stopped with output that is not JSON: "
+                                 f"{exc}") from exc
+    if schema is not None:
+        errors = sorted(Draft202012Validator(schema).iter_errors(value), key=str)
+        if errors:
+            raise ModelOutputInvalid(f"model {model!r} produced JSON that does not match the "
+                                     f"schema: {errors[0].message}")
+    elif not isinstance(value, dict):
+        raise ModelOutputInvalid(f"model {model!r} produced JSON that is not an object")
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _stream(
+    scheduler: Scheduler, model: str, task: Task, run: Run,
+    chunk: Callable[[str | None, str | None], dict[str, Any]],
+    check: Callable[[Generated], None] | None, include_usage: bool, *,
+    opening_chunk: bool = True,
+) -> StreamingResponse:
+    """Server-sent events. The lease is taken before the response starts, so quota, load and
+    unknown-model errors still get their status code; it is released when the stream ends,
+    after the generating thread has stopped."""
+    events = _stream_events(scheduler, model, task, run, chunk, check, include_usage,
+                            opening_chunk)
+    first = await events.__anext__()  # acquires the lease, or raises a PackserveError
+
+    async def body() -> AsyncIterator[str]:
+        yield first
+        async for event in events:
+            yield event
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _stream_events(
+    scheduler: Scheduler, model: str, task: Task, run: Run,
+    chunk: Callable[[str | None, str | None], dict[str, Any]],
+    check: Callable[[Generated], None] | None, include_usage: bool, opening_chunk: bool,
+) -> AsyncIterator[str]:
+    async with scheduler.acquire(model, task) as lease:
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        stop = threading.Event()
+
+        def on_text(text: str) -> bool:
+            if stop.is_set():
+                return False
+            loop.call_soon_threadsafe(pieces.put_nowait, text)
+            return True
+
+        async def work() -> Generated:
+            try:
+                return await asyncio.to_thread(run, lease.backend, on_text)
+            finally:
+                pieces.put_nowait(None)
+
+        worker = asyncio.create_task(work())
+        try:
+            yield _sse(chunk(None, None)) if opening_chunk else ": stream open\n\n"
+            while (piece := await pieces.get()) is not None:
+                yield _sse(chunk(piece, None))
+            try:
+                out = await worker
+                if check is not None:
+                    check(out)
+            except PackserveError as exc:
+                yield _sse(error_body(exc.message, exc.type, exc.param, exc.code))
+            except Exception as exc:  # the response has started: report in-band, keep serving
+                log.exception("stream for %s failed", model)
+                yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                      "server_error"))
+            else:
+                yield _sse(chunk(None, out.finish_reason))
+                if include_usage:
+                    final = chunk(None, None)
+                    final["choices"] = []
+                    final["usage"] = _usage(out.prompt_tokens, out.completion_tokens)
+                    yield _sse(final)
+            yield _sse("[DONE]")
+        finally:
+            stop.set()
+            # The client may have gone: finish the thread before the lease lets the model go.
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await worker
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with 413, before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, int(declared))
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge(self.max_bytes + 1)
+            return message
+
+        await self.app(scope, limited, send)
+
+    async def _refuse(self, send: Send, size: int) -> None:
+        response = JSONResponse(error_body(
+            f"request body is {size} bytes; this server accepts at most {self.max_bytes} "
+            f"(server.max_request_bytes)", "invalid_request_error", code="request_too_large"),
+            status_code=413)
+        await response({"type": "http"}, _no_receive, send)
+
+
+class _TooLarge(StarletteHTTPException):
+    """Raised while reading a body with no Content-Length; the 413 handler formats it."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(413, f"request body is over {size - 1} bytes, more than this server "
+                              f"accepts (server.max_request_bytes)")
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+

@@ -1,0 +1,91 @@
+"""Coalesce concurrent embedding calls on one backend into one forward pass.
+
+While a batch runs in a worker thread, new requests queue; the next batch takes all of them
+(up to `max_batch` inputs). Each caller still holds its own lease, so the backend cannot be
+evicted under a batch. If a combined batch fails, its requests run one by one so that only the
+request with the bad input gets the error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from packserve.core.backend import Backend, Embeddings
+
+
+@dataclass
+class _Pending:
+    backend: Backend
+    texts: list[str]
+    future: asyncio.Future[Embeddings]
+
+
+class EmbedBatcher:
+    def __init__(self, max_batch: int) -> None:
+        self._max_batch = max_batch
+        self._pending: list[_Pending] = []
+        self._worker: asyncio.Task[None] | None = None
+
+    async def embed(self, backend: Backend, texts: list[str]) -> Embeddings:
+        """Embed `texts` on `backend`; the caller holds a lease on it until this returns."""
+        future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(backend, texts, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._pending:
+            batch: list[_Pending] = []
+            size = 0
+            while self._pending and (not batch or size + len(self._pending[0].texts)
+                                     <= self._max_batch):
+                item = self._pending.pop(0)
+                batch.append(item)
+                size += len(item.texts)
+            live = [p for p in batch if not p.future.done()]
+            if live:
+                await self._run(live)
+
+    async def _run(self, batch: list[_Pending]) -> None:
+        texts = [t for p in batch for t in p.texts]
+        try:
+            out = await asyncio.to_thread(batch[0].backend.embed, texts)
+        except Exception as exc:
+            if len(batch) == 1:
+                _settle(batch[0].future, exc)
+                return
+            for p in batch:  # find the request that broke the batch
+                await self._run([p])
+            return
+        start = 0
+        for p in batch:
+            end = start + len(p.texts)
+            if not p.future.done():
+                p.future.set_result(Embeddings(vectors=np.asarray(out.vectors[start:end]),
+                                               tokens=out.tokens[start:end]))
+            start = end
+
+
+def _settle(future: asyncio.Future[Embeddings], exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+class Batchers:
+    """One batcher per loaded backend; forgotten when the backend is garbage-collected."""
+
+    def __init__(self) -> None:
+        self._by_backend: weakref.WeakKeyDictionary[Backend, EmbedBatcher] = (
+            weakref.WeakKeyDictionary())
+
+    def for_backend(self, backend: Backend) -> EmbedBatcher:
+        batcher = self._by_backend.get(backend)
+        if batcher is None:
+            batcher = EmbedBatcher(backend.spec.max_batch)
+            self._by_backend[backend] = batcher
+        return batcher

@@ -1,0 +1,97 @@
+"""A fake engine with a declared footprint, for scheduler-policy and HTTP-shape tests only.
+
+In a config: `backend = "fake"`, `source = "fake:64MiB"` declares 64 MiB. It embeds by hashing,
+reranks by word overlap and echoes prompts. Tests steer it through a shared `FakeControl`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from packserve.config import parse_bytes
+from packserve.core.backend import (
+    Backend,
+    Embeddings,
+    Generated,
+    GenerationParams,
+    LoadSpec,
+    Message,
+    OnText,
+    Ranking,
+)
+
+
+@dataclass
+class FakeControl:
+    """Shared knobs: block loads until released, fail the next N loads, count loads."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+    fail_next: int = 0
+    loads: dict[str, int] = field(default_factory=dict)
+    unloads: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+
+DEFAULT_CONTROL = FakeControl()
+
+
+def declared_bytes(spec: LoadSpec) -> int:
+    return parse_bytes(spec.path.name.removeprefix("fake:"))
+
+
+class FakeBackend(Backend):
+    control: FakeControl = DEFAULT_CONTROL
+    _loaded: bool = False
+
+    def __post_init__(self) -> None:
+        self.name = self.spec.path.name
+
+    def load(self) -> None:
+        self.control.gate.wait(timeout=30)
+        with self.control.lock:
+            self.control.loads[self.name] = self.control.loads.get(self.name, 0) + 1
+            if self.control.fail_next > 0:
+                self.control.fail_next -= 1
+                raise MemoryError(f"fake out of memory loading {self.name}")
+        self._loaded = True
+
+    def unload(self) -> None:
+        if self._loaded:
+            with self.control.lock:
+                self.control.unloads[self.name] = self.control.unloads.get(self.name, 0) + 1
+        self._loaded = False
+
+    def weight_bytes(self) -> int:
+        return declared_bytes(self.spec) if self._loaded else 0
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
+                for t in texts]
+        return Embeddings(vectors=np.asarray(rows, dtype=np.float32) / 255.0,
+                          tokens=[len(t.split()) for t in texts])
+
+    def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        q = set(query.lower().split())
+        return Ranking(scores=[len(q & set(d.lower().split())) / (len(q) or 1) for d in documents],
+                       tokens=len(query.split()) + sum(len(d.split()) for d in documents))
+
+    def chat(self, messages: Sequence[Message], params: GenerationParams,
+             on_text: OnText | None = None) -> Generated:
+        return self.complete(messages[-1].content if messages else "", params, on_text)
+
+    def complete(self, prompt: str, params: GenerationParams,
+                 on_text: OnText | None = None) -> Generated:
+        words = prompt.split()[: params.max_tokens or None]
+        for w in words:
+            if on_text is not None and not on_text(w + " "):
+                break
+        return Generated(text=" ".join(words), finish_reason="stop",
+                         prompt_tokens=len(prompt.split()), completion_tokens=len(words))

@@ -1,0 +1,140 @@
+"""llama.cpp through llama-cpp-python: chat, completions, streaming, JSON-schema output.
+
+Weights are read into memory (`use_mmap=False`) so that the bytes the scheduler counts are the
+bytes the process holds; with mmap the page cache would hold them and RSS would lie.
+One llama.cpp context decodes one sequence at a time: calls are serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from packserve.core.backend import Backend, Generated, GenerationParams, Message, OnText
+from packserve.errors import ConfigError, InputTooLong, InvalidRequest
+
+# JSON strings may not hold raw control characters; llama.cpp's schema converter allows them,
+# which lets a small model wander inside a string until max_tokens. Tighten the rule.
+_LOOSE_CHAR = 'char ::= [^"\\\\]'
+_JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
+
+
+def schema_grammar(schema: dict[str, object] | None) -> Any:
+    """A llama.cpp grammar for `schema`, or for any JSON object when `schema` is None."""
+    from llama_cpp import llama_grammar as lg
+
+    if schema is None:
+        text = lg.JSON_GBNF
+    else:
+        try:
+            text = lg.json_schema_to_gbnf(json.dumps(schema))
+        except Exception as exc:  # the converter raises bare Exceptions for unsupported schemas
+            raise InvalidRequest(f"unsupported JSON schema: {exc}",
+                                 param="response_format") from exc
+    return lg.LlamaGrammar.from_string(text.replace(_LOOSE_CHAR, _JSON_CHAR), verbose=False)
+
+
+class LlamaCppBackend(Backend):
+    _llm: Any = None
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self.name = self.spec.path.name
+
+    def load(self) -> None:
+        from llama_cpp import Llama, llama_supports_gpu_offload
+
+        on_gpu = self.spec.device.startswith("cuda")
+        if on_gpu and not llama_supports_gpu_offload():
+            raise ConfigError(f"{self.name}: device {self.spec.device} asked, but "
+                              f"llama-cpp-python was built without GPU support")
+        self._llm = Llama(
+            model_path=str(self.spec.path),
+            n_ctx=self.spec.context_length,
+            n_gpu_layers=-1 if on_gpu else 0,
+            main_gpu=int(self.spec.device.partition(":")[2] or 0) if on_gpu else 0,
+            use_mmap=False,
+            verbose=False,
+        )
+
+    def unload(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.close()
+
+    def weight_bytes(self) -> int:
+        return int(self._llm._model.size()) if self._llm is not None else 0
+
+    def chat(self, messages: Sequence[Message], params: GenerationParams,
+             on_text: OnText | None = None) -> Generated:
+        wire = [{"role": m.role, "content": m.content} for m in messages]
+        return self._run(lambda **kw: self._llm.create_chat_completion(messages=wire, **kw),
+                         params, on_text, chat=True)
+
+    def complete(self, prompt: str, params: GenerationParams,
+                 on_text: OnText | None = None) -> Generated:
+        return self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
+                         params, on_text, chat=False)
+
+    def _run(self, call: Any, params: GenerationParams, on_text: OnText | None,
+             chat: bool) -> Generated:
+        grammar = None
+        if params.json_schema is not None or params.json_object:
+            grammar = schema_grammar(params.json_schema)
+        kwargs: dict[str, Any] = {
+            "max_tokens": params.max_tokens if params.max_tokens is not None else 0,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stop": list(params.stop) or None,
+            "seed": params.seed,
+            "grammar": grammar,
+        }
+        with self._lock:
+            try:
+                if on_text is None:
+                    out = call(stream=False, **kwargs)
+                    choice = out["choices"][0]
+                    text = choice["message"]["content"] if chat else choice["text"]
+                    return Generated(text=text or "", finish_reason=_finish(choice),
+                                     prompt_tokens=out["usage"]["prompt_tokens"],
+                                     completion_tokens=out["usage"]["completion_tokens"])
+                return self._stream(call(stream=True, **kwargs), on_text, chat)
+            except ValueError as exc:
+                if "exceed context window" in str(exc):
+                    raise InputTooLong(f"{exc} of {self.name}; shorten the prompt or lower "
+                                       f"max_tokens", param="messages" if chat else "prompt"
+                                       ) from exc
+                raise
+
+    def _stream(self, chunks: Iterator[dict[str, Any]], on_text: OnText,
+                chat: bool) -> Generated:
+        parts: list[str] = []
+        finish = "length"
+        pieces = 0
+        try:
+            for chunk in chunks:
+                choice = chunk["choices"][0]
+                piece = (choice["delta"].get("content") if chat else choice["text"]) or ""
+                if piece:
+                    pieces += 1
+                    parts.append(piece)
+                    if not on_text(piece):
+                        finish = "stop"
+                        break
+                if choice.get("finish_reason"):
+                    finish = _finish(choice)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+        # Streams carry no usage; llama.cpp's context now holds the prompt and what was decoded.
+        completion = pieces
+        prompt = max(0, int(self._llm.n_tokens) - completion)
+        return Generated(text="".join(parts), finish_reason="stop" if finish == "stop"
+                         else "length", prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _finish(choice: dict[str, Any]) -> Any:
+    return "length" if choice.get("finish_reason") == "length" else "stop"

@@ -1,0 +1,116 @@
+"""sentence-transformers: embeddings, bi-encoder rerank scoring, and cross-encoder rerank.
+
+Weights load only from safetensors unless the entry sets `allow_pickle = true`; remote code
+runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from packserve.core.backend import Backend, Embeddings, Ranking
+from packserve.errors import ConfigError, InputTooLong
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A token is rarely longer than this many characters; longer inputs are refused before the
+# tokenizer sees them, so a megabyte string costs nothing.
+_MAX_CHARS_PER_TOKEN = 32
+
+
+class _TorchBackend(Backend):
+    _model: Any = None
+
+    def _check_files(self) -> None:
+        path = self.spec.path
+        if not any(path.rglob("*.safetensors")) and not self.spec.allow_pickle:
+            raise ConfigError(
+                f"{path} has no .safetensors weights; packserve does not load pickled weights "
+                f"unless the model entry sets allow_pickle = true")
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {
+            "device": self.spec.device,
+            "local_files_only": True,
+            "trust_remote_code": self.spec.trust_remote_code,
+            "model_kwargs": {"use_safetensors": not self.spec.allow_pickle},
+        }
+
+    def unload(self) -> None:
+        self._model = None
+
+    def weight_bytes(self) -> int:
+        if self._model is None:
+            return 0
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        return int(sum(t.numel() * t.element_size() for t in tensors))
+
+    def _max_tokens(self) -> int:
+        return int(self._model.max_seq_length)
+
+    def _count_tokens(self, texts: Sequence[str], what: str) -> list[int]:
+        limit = self._max_tokens()
+        for i, text in enumerate(texts):
+            if len(text) > limit * _MAX_CHARS_PER_TOKEN:
+                raise InputTooLong(
+                    f"{what}[{i}] has {len(text)} characters; {self.name} reads at most "
+                    f"{limit} tokens", param="input")
+        ids = self._model.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+        for i, row in enumerate(ids):
+            if len(row) > limit:
+                raise InputTooLong(
+                    f"{what}[{i}] is {len(row)} tokens; {self.name} reads at most {limit} "
+                    f"tokens (shorten or split it)", param="input")
+        return [len(row) for row in ids]
+
+
+class SentenceTransformerBackend(_TorchBackend):
+    """Embeddings, and reranking by bi-encoder cosine similarity (not a cross-encoder)."""
+
+    def load(self) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self._check_files()
+        self.name = self.spec.path.name
+        self._model = SentenceTransformer(str(self.spec.path), **self._kwargs())
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        tokens = self._count_tokens(texts, "input")
+        vectors = self._model.encode(list(texts), batch_size=self.spec.max_batch,
+                                     convert_to_numpy=True, show_progress_bar=False)
+        return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
+
+    def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        tokens = sum(self._count_tokens([query], "query")) + sum(
+            self._count_tokens(documents, "documents"))
+        vectors = self._model.encode([query, *documents], batch_size=self.spec.max_batch,
+                                     convert_to_numpy=True, normalize_embeddings=True,
+                                     show_progress_bar=False)
+        scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
+        return Ranking(scores=[float(s) for s in scores], tokens=tokens)
+
+
+class CrossEncoderBackend(_TorchBackend):
+    """A cross-encoder reranker loaded from a local directory the operator gives."""
+
+    def load(self) -> None:
+        from sentence_transformers import CrossEncoder
+
+        self._check_files()
+        self.name = self.spec.path.name
+        self._model = CrossEncoder(str(self.spec.path), **self._kwargs())
+
+    def _max_tokens(self) -> int:
+        return int(self._model.max_length or self._model.tokenizer.model_max_length)
+
+    def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        tokens = sum(self._count_tokens([query], "query")) + sum(
+            self._count_tokens(documents, "documents"))
+        scores = self._model.predict([(query, d) for d in documents],
+                                     batch_size=self.spec.max_batch, show_progress_bar=False)
+        return Ranking(scores=[float(s) for s in np.asarray(scores).reshape(-1)], tokens=tokens)

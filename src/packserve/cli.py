@@ -1,0 +1,104 @@
+"""`packserve serve` and `packserve ps`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from packserve.errors import ConfigError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="packserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve the models of a config (default: built-in catalog)")
+    serve.add_argument("--config", help="TOML config file (default: the built-in catalog)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--memory-budget", help="budget for every device, e.g. 2GiB or auto")
+    serve.add_argument("--models", help="serve only these catalog names, comma-separated")
+
+    ps = sub.add_parser("ps", help="print the residency table of a running server")
+    ps.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _ps(args.url)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from packserve.config import load_config
+
+    only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+    try:
+        config = load_config(args.config, host=args.host, port=args.port,
+                             memory_budget=args.memory_budget, only_models=only)
+    except ConfigError as exc:
+        print(f"packserve: {exc.message}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return asyncio.run(_run_server(config))
+
+
+async def _run_server(config: object) -> int:
+    import uvicorn
+
+    from packserve.api.app import create_app
+    from packserve.config import Config
+    from packserve.server import build_scheduler
+
+    assert isinstance(config, Config)
+    try:
+        scheduler = build_scheduler(config)
+    except ConfigError as exc:
+        print(f"packserve: {exc.message}", file=sys.stderr)
+        return 2
+    app = create_app(scheduler, max_request_bytes=config.server.max_request_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
+                                           log_level=config.server.log_level))
+    await server.serve()
+    return 0
+
+
+def _ps(url: str) -> int:
+    try:
+        data = httpx.get(f"{url.rstrip('/')}/v1/residency", timeout=10).json()
+    except httpx.HTTPError as exc:
+        print(f"packserve ps: cannot reach {url}: {exc}", file=sys.stderr)
+        return 1
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    for d in data["devices"]:
+        console.print(f"[bold]{d['name']}[/]: {_mib(d['used_bytes'])} used of "
+                      f"{_mib(d['budget_bytes'])} budget ({_mib(d['headroom_bytes'])} headroom)")
+    table = Table("MODEL", "TASKS", "STATE", "DEVICE", "PIN", "ESTIMATED", "MEASURED",
+                  "IN FLIGHT", "QUEUED", "LAST USED", "LOAD S", "ERROR")
+    now = time.time()
+    for m in data["models"]:
+        last = f"{now - m['last_used']:.0f}s ago" if m["last_used"] else "-"
+        table.add_row(m["name"], ",".join(m["tasks"]), m["state"], m["device"],
+                      "yes" if m["pinned"] else "", _mib(m["bytes_estimated"]),
+                      _mib(m["bytes_measured"]) if m["bytes_measured"] else "-",
+                      str(m["in_flight"]), str(m["queued"]), last,
+                      f"{m['load_seconds']:.2f}" if m["load_seconds"] else "-",
+                      m["error"] or "")
+    console.print(table)
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""The one reader of the config file, the built-in default catalog and the CLI overrides.
+
+A config is a TOML file with three parts: `[server]`, `[devices.NAME]` and `[[models]]`.
+Every key has a default (README.md lists them). A bad config is refused at start with the
+key, the line where it is, and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from packserve.errors import ConfigError
+from packserve.types import Task
+
+_BYTES = TypeAdapter(ByteSize)
+
+
+def parse_bytes(value: object) -> int:
+    """Parse `6GiB`, `512MiB`, `1.5GB` or a plain integer into bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 6GiB or a number of bytes")
+    try:
+        n = int(_BYTES.validate_python(value))
+    except ValidationError as exc:
+        raise ValueError(
+            f"{value!r} is not a size (write it like 6GiB, 512MiB or 1000000)") from exc
+    if n < 0:
+        raise ValueError("a size cannot be negative")
+    return n
+
+
+def _parse_budget(value: object) -> int | Literal["auto"]:
+    if value == "auto":
+        return "auto"
+    return parse_bytes(value)
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+Budget = Annotated[int | Literal["auto"], BeforeValidator(_parse_budget)]
+
+Backend = Literal["sentence-transformers", "cross-encoder", "llama-cpp", "fake"]
+
+BACKEND_TASKS: Mapping[str, frozenset[Task]] = {
+    "sentence-transformers": frozenset({Task.EMBED, Task.RERANK}),
+    "cross-encoder": frozenset({Task.RERANK}),
+    "llama-cpp": frozenset({Task.CHAT, Task.COMPLETE}),
+    "fake": frozenset(Task),
+}
+
+# One request at a time per llama.cpp context; the embedders batch concurrent requests.
+DEFAULT_MAX_CONCURRENCY: Mapping[str, int] = {
+    "sentence-transformers": 32,
+    "cross-encoder": 32,
+    "llama-cpp": 1,
+    "fake": 4,
+}
+
+_DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+# `memory_budget = "auto"` takes this fraction of what the device has (documented in README).
+AUTO_BUDGET_FRACTION: Mapping[str, float] = {"cpu": 0.75, "cuda": 0.90}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    """`[server]`: where to listen and how long to wait."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    data_dir: str = "~/.cache/packserve"
+    load_wait_s: float = Field(default=120.0, gt=0)
+    failure_cooldown_s: float = Field(default=30.0, ge=0)
+    max_request_bytes: Bytes = 4 * 1024 * 1024
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class DeviceConfig(_Strict):
+    """`[devices.NAME]`: the memory the scheduler may fill on one device."""
+
+    memory_budget: Budget = "auto"
+    headroom: Bytes = 256 * 1024 * 1024
+
+
+class ModelSpec(_Strict):
+    """One `[[models]]` entry: a name clients send as `model`, and how to serve it."""
+
+    name: str
+    tasks: list[Task] = Field(min_length=1)
+    backend: Backend
+    source: str
+    device: str = "auto"
+    pin: bool = False
+    max_concurrency: int | None = Field(default=None, ge=1, le=4096)
+    max_queue: int = Field(default=64, ge=0, le=100_000)
+    max_memory: Bytes | None = None
+    context_length: int | None = Field(default=None, ge=16, le=1_048_576)
+    max_batch: int = Field(default=64, ge=1, le=4096)
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError("use letters, digits and . _ : / - (at most 128 characters)")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device_ok(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError("must be cpu, cuda, cuda:N or auto")
+        return "cuda:0" if v == "cuda" else v
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_unique(cls, v: list[Task]) -> list[Task]:
+        return list(dict.fromkeys(v))
+
+    @model_validator(mode="after")
+    def _tasks_match_backend(self) -> ModelSpec:
+        allowed = BACKEND_TASKS[self.backend]
+        bad = [t.value for t in self.tasks if t not in allowed]
+        if bad:
+            raise ValueError(
+                f"backend {self.backend!r} cannot do {', '.join(bad)} "
+                f"(it does {', '.join(sorted(t.value for t in allowed))})"
+            )
+        return self
+
+    @property
+    def concurrency(self) -> int:
+        return self.max_concurrency or DEFAULT_MAX_CONCURRENCY[self.backend]
+
+
+class Config(_Strict):
+    """The whole config. Build it with `load_config`."""
+
+    server: ServerConfig = ServerConfig()
+    devices: dict[str, DeviceConfig] = Field(default_factory=dict)
+    models: list[ModelSpec] = Field(default_factory=list)
+    base_dir: str = "."  # where relative `source` paths start; set by load_config
+
+    @field_validator("devices")
+    @classmethod
+    def _device_names(cls, v: dict[str, DeviceConfig]) -> dict[str, DeviceConfig]:
+        for name in v:
+            if not _DEVICE_RE.match(name) or name == "auto":
+                raise ValueError(f"device name {name!r} must be cpu, cuda or cuda:N")
+        return {("cuda:0" if k == "cuda" else k): d for k, d in v.items()}
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Config:
+        seen: set[str] = set()
+        for m in self.models:
+            if m.name in seen:
+                raise ValueError(f"two models are named {m.name!r}; names must be unique")
+            seen.add(m.name)
+        return self
+
+    def device_config(self, device: str) -> DeviceConfig:
+        return self.devices.get(device, DeviceConfig())
+
+    @property
+    def data_path(self) -> Path:
+        return Path(os.path.expanduser(self.server.data_dir))
+
+
+def default_catalog_text() -> str:
+    return resources.files("packserve").joinpath("default_catalog.toml").read_text("utf-8")
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    memory_budget: str | None = None,
+    only_models: Sequence[str] | None = None,
+) -> Config:
+    """Read the config file (or the built-in catalog), apply CLI overrides, validate.
+
+    Raises ConfigError naming the key, its line and the reason.
+    """
+    if path is None:
+        text, origin, base = default_catalog_text(), "<built-in default catalog>", Path.cwd()
+    else:
+        p = Path(path)
+        try:
+            text = p.read_text("utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {p}: {exc.strerror}") from exc
+        origin, base = str(p), p.resolve().parent
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{origin}: not valid TOML: {exc}") from exc
+
+    server = dict(raw.get("server", {}))
+    if host is not None:
+        server["host"] = host
+    if port is not None:
+        server["port"] = port
+    raw["server"] = server
+    if memory_budget is not None:
+        devices = {k: dict(v) for k, v in raw.get("devices", {}).items()}
+        for name in {"cpu", *devices}:
+            devices.setdefault(name, {})["memory_budget"] = memory_budget
+        raw["devices"] = devices
+    if only_models:
+        known = [m.get("name") for m in raw.get("models", [])]
+        missing = [n for n in only_models if n not in known]
+        if missing:
+            raise ConfigError(
+                f"--models names {', '.join(missing)}, not in {origin} "
+                f"(it has: {', '.join(str(k) for k in known)})"
+            )
+        raw["models"] = [m for m in raw.get("models", []) if m.get("name") in only_models]
+    raw["base_dir"] = str(base)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, text, origin)) from exc
+
+
+def _explain(exc: ValidationError, text: str, origin: str) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = err["loc"]
+        key = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")
+        line = _find_line(text, loc)
+        where = f"{origin}:{line}" if line else origin
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(f"{where}: {key or '(top level)'}: {msg}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _find_line(text: str, loc: tuple[int | str, ...]) -> int | None:
+    """Best-effort line number of a key given pydantic's location tuple."""
+    if not loc:
+        return None
+    rows = text.splitlines()
+    head = str(loc[0])
+    start = 0
+    if head == "models" and len(loc) >= 2 and isinstance(loc[1], int):
+        seen = -1
+        for i, row in enumerate(rows):
+            if row.strip() == "[[models]]":
+                seen += 1
+                if seen == loc[1]:
+                    start = i
+                    break
+        else:
+            return None
+        keys = loc[2:]
+    elif head in ("server", "devices"):
+        target = f"[{head}]" if head == "server" else f"[devices.{loc[1]}]" if len(loc) > 1 else ""
+        start = next((i for i, r in enumerate(rows) if r.strip() == target), 0)
+        keys = loc[1:] if head == "server" else loc[2:]
+    else:
+        keys = loc
+    key = next((str(k) for k in keys if isinstance(k, str)), None)
+    if key is None:
+        return start + 1
+    for i in range(start, len(rows)):
+        if i > start and rows[i].lstrip().startswith("["):
+            break
+        if re.match(rf"^\s*{re.escape(key)}\s*=", rows[i]):
+            return i + 1
+    return start + 1

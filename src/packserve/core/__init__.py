@@ -1,0 +1,3 @@
+"""The scheduler core: residency, eviction policy, quotas.
+
+Imports no backend, web framework or metrics library."""

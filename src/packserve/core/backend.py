@@ -1,0 +1,124 @@
+"""The contract between the scheduler and the engines (sentence-transformers, llama.cpp, fake).
+
+Who calls what, and when:
+- The scheduler's factory builds a backend from a `LoadSpec`, then calls `load()` once, in a
+  worker thread, while the scheduler holds its device lock. `unload()` is called once, in a worker
+  thread, only when no lease is out. Nothing else touches the lifecycle.
+- Request handlers get a backend from a `Lease` and call the task methods in a worker thread
+  (never on the event loop). They may assume `load()` has returned and `unload()` has not started.
+- A backend that serves several tasks or several catalog names (shared weights) must tolerate
+  concurrent task calls; llama.cpp's backend serialises them with its own lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from packserve.errors import TaskNotSupported
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything a backend needs to load one set of weights. Equal specs share one load."""
+
+    backend: str
+    path: Path
+    device: str  # "cpu" or "cuda:N", never "auto"
+    context_length: int
+    max_batch: int = 64
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}|{self.path}|{self.device}|ctx={self.context_length}"
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: npt.NDArray[np.float32]  # shape (n_inputs, dim)
+    tokens: list[int]  # per input
+
+
+@dataclass(frozen=True)
+class Ranking:
+    scores: list[float]  # one per document, in input order
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int | None = None
+    temperature: float = 0.7
+    top_p: float = 0.95
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    json_schema: dict[str, object] | None = None  # constrain output to this schema
+    json_object: bool = False  # constrain output to any JSON object
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Generated:
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+# Called with each new piece of text; returning False asks the backend to stop early.
+OnText = Callable[[str], bool]
+
+
+@dataclass(eq=False)  # compared and hashed by identity: one object per load
+class Backend:
+    """Base class for engines. Task methods a backend lacks raise TaskNotSupported (400)."""
+
+    spec: LoadSpec
+    name: str = field(default="backend", init=False)
+
+    def __post_init__(self) -> None:
+        """Subclasses set up per-instance state here (locks, names); no I/O."""
+
+    def load(self) -> None:
+        """Read the weights onto `spec.device`. Called once, in a worker thread."""
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        """Drop every reference to the weights so their memory can be returned."""
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes of tensors the engine holds now; a floor for the measured footprint."""
+        raise NotImplementedError
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        raise TaskNotSupported(f"{self.name} cannot embed")
+
+    def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        raise TaskNotSupported(f"{self.name} cannot rerank")
+
+    def chat(self, messages: Sequence[Message], params: GenerationParams,
+             on_text: OnText | None = None) -> Generated:
+        raise TaskNotSupported(f"{self.name} cannot chat")
+
+    def complete(self, prompt: str, params: GenerationParams,
+                 on_text: OnText | None = None) -> Generated:
+        raise TaskNotSupported(f"{self.name} cannot complete text")
+
+
+BackendFactory = Callable[[LoadSpec], Backend]

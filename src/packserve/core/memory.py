@@ -1,0 +1,79 @@
+"""Memory probes: what a device has, what this process uses on it, and giving freed memory back.
+
+The scheduler receives a `MemoryProbe` in its constructor; tests pass a fake.
+On `cpu` the figure is this process's resident set (RSS), so the budget governs the RAM that
+model weights and caches take. On `cuda:N` it is the device's used memory (NVML's view, through
+torch), which counts llama.cpp's allocations as well as torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+from typing import Protocol
+
+
+class MemoryProbe(Protocol):
+    def total_bytes(self, device: str) -> int:
+        """Physical memory of the device. Called at start to size `auto` budgets."""
+        ...
+
+    def used_bytes(self, device: str) -> int:
+        """Memory in use now, as seen by this process. Called before and after each load."""
+        ...
+
+    def release(self, device: str) -> None:
+        """Return freed memory to the OS or driver. Called after each unload."""
+        ...
+
+
+class SystemProbe:
+    """The real probe: /proc on CPU, torch.cuda on GPUs."""
+
+    def __init__(self) -> None:
+        libc_name = ctypes.util.find_library("c")
+        self._libc = ctypes.CDLL(libc_name) if libc_name else None
+
+    def total_bytes(self, device: str) -> int:
+        if device.startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.get_device_properties(_index(device)).total_memory)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def used_bytes(self, device: str) -> int:
+        if device.startswith("cuda"):
+            import torch
+
+            free, total = torch.cuda.mem_get_info(_index(device))
+            return int(total - free)
+        with open("/proc/self/statm", encoding="ascii") as f:
+            resident_pages = int(f.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+    def release(self, device: str) -> None:
+        gc.collect()
+        if device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+        # glibc keeps freed heap pages; without this RSS would not fall after an unload and the
+        # next load's measured delta would be too small.
+        trim = getattr(self._libc, "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _index(device: str) -> int:
+    _, _, idx = device.partition(":")
+    return int(idx or 0)

@@ -1,0 +1,177 @@
+"""Pure scheduling policy: plain data in, plain data out. No asyncio, no devices, no clock.
+
+The scheduler takes a snapshot of its residents, asks these functions what to do, and applies
+the answer. Tests call them with hand-written tables (tests/core/test_policy.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from packserve.types import State
+
+
+@dataclass(frozen=True)
+class ResidentView:
+    """One set of loaded weights as the policy sees it."""
+
+    key: str
+    device: str
+    state: State
+    bytes: int  # measured if known, else estimated
+    pinned: bool = False
+    in_flight: int = 0  # requests holding or waiting on a lease
+    last_used: float = 0.0  # scheduler clock; larger is more recent
+    models: tuple[str, ...] = ()  # catalog names served by these weights
+
+    @property
+    def holds_memory(self) -> bool:
+        return self.state in (State.HOT, State.LOADING)
+
+    @property
+    def evictable(self) -> bool:
+        return self.state is State.HOT and not self.pinned and self.in_flight == 0
+
+
+class Verdict(StrEnum):
+    ALREADY_LOADED = "already_loaded"
+    FITS = "fits"  # fits in free memory now
+    FITS_AFTER_EVICTION = "fits_after_eviction"
+    WAIT_FOR_BUSY = "wait_for_busy"  # fits once busy models finish their requests
+    NEVER_FITS = "never_fits"  # larger than capacity minus what is pinned
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The answer to "what would you evict to load X on its device, and why"."""
+
+    target: str
+    device: str
+    verdict: Verdict
+    need_bytes: int
+    capacity_bytes: int  # budget minus headroom
+    used_bytes: int
+    pinned_bytes: int
+    busy_bytes: int
+    victims: tuple[str, ...]
+    reason: str
+
+
+VictimOrder = Callable[[ResidentView], tuple[float, ...]]
+
+
+def lru_order(r: ResidentView) -> tuple[float, ...]:
+    """packserve's rule: least recently used first; among equals, the larger frees more."""
+    return (r.last_used, -r.bytes)
+
+
+def choose_victims(
+    residents: Sequence[ResidentView], need_bytes: int, free_bytes: int,
+    order: VictimOrder = lru_order,
+) -> tuple[str, ...] | None:
+    """Idle, unpinned, hot residents in `order` until `need_bytes` fit; None if they cannot."""
+    if need_bytes <= free_bytes:
+        return ()
+    victims: list[str] = []
+    freed = free_bytes
+    for r in sorted((r for r in residents if r.evictable), key=order):
+        victims.append(r.key)
+        freed += r.bytes
+        if freed >= need_bytes:
+            return tuple(victims)
+    return None
+
+
+def plan_admission(
+    target: ResidentView, residents: Sequence[ResidentView], capacity_bytes: int,
+    order: VictimOrder = lru_order,
+) -> Admission:
+    """Decide how `target` gets onto its device. `residents` are the others on that device."""
+    others = [r for r in residents if r.key != target.key and r.device == target.device]
+    used = sum(r.bytes for r in others if r.holds_memory)
+    pinned = sum(r.bytes for r in others if r.pinned and r.holds_memory)
+    busy = sum(r.bytes for r in others if r.holds_memory and not r.pinned and not r.evictable)
+    pinned_names = ", ".join(f"{_label(r)} ({_gib(r.bytes)})" for r in others if r.pinned) or "none"
+
+    def answer(verdict: Verdict, victims: tuple[str, ...], reason: str) -> Admission:
+        return Admission(
+            target=target.key, device=target.device, verdict=verdict,
+            need_bytes=target.bytes, capacity_bytes=capacity_bytes, used_bytes=used,
+            pinned_bytes=pinned, busy_bytes=busy, victims=victims, reason=reason,
+        )
+
+    if target.state is State.HOT:
+        return answer(Verdict.ALREADY_LOADED, (), f"{_label(target)} is already loaded")
+    if target.bytes > capacity_bytes - pinned:
+        return answer(Verdict.NEVER_FITS, (), (
+            f"{_label(target)} needs {_gib(target.bytes)} but {target.device} has a budget of "
+            f"{_gib(capacity_bytes)} after headroom, of which pinned models hold {_gib(pinned)} "
+            f"(pinned: {pinned_names})"
+        ))
+    free = capacity_bytes - used
+    victims = choose_victims(others, target.bytes, free, order)
+    if victims is None:
+        return answer(Verdict.WAIT_FOR_BUSY, (), (
+            f"{_label(target)} needs {_gib(target.bytes)}; {_gib(free)} is free and models with "
+            f"requests in flight hold {_gib(busy)}; it loads when they finish"
+        ))
+    if not victims:
+        return answer(Verdict.FITS, (), (
+            f"{_label(target)} needs {_gib(target.bytes)} and {_gib(free)} is free"
+        ))
+    by_key = {r.key: r for r in others}
+    named = ", ".join(
+        f"{_label(by_key[k])} ({_gib(by_key[k].bytes)}, idle, least recently used)" for k in victims
+    )
+    return answer(Verdict.FITS_AFTER_EVICTION, victims, (
+        f"{_label(target)} needs {_gib(target.bytes)} and {_gib(free)} is free; "
+        f"evicting {named} makes room"
+    ))
+
+
+def pins_fit(pinned: Sequence[ResidentView], capacity_bytes: int) -> str | None:
+    """None if the pinned residents of one device fit together, else the reason they do not."""
+    total = sum(r.bytes for r in pinned)
+    if total <= capacity_bytes:
+        return None
+    listing = ", ".join(f"{_label(r)} {_gib(r.bytes)}" for r in pinned)
+    device = pinned[0].device if pinned else "?"
+    return (
+        f"pinned models on {device} need {_gib(total)} together but the budget after headroom "
+        f"is {_gib(capacity_bytes)}: {listing}"
+    )
+
+
+@dataclass(frozen=True)
+class QuotaDecision:
+    """Run now, wait in the queue, or refuse with a Retry-After in seconds."""
+
+    run: bool
+    queue: bool
+    retry_after_s: int = 0
+
+
+def admit_request(
+    in_flight: int, queued: int, max_concurrency: int, max_queue: int, mean_service_s: float,
+) -> QuotaDecision:
+    """Per-model quota. Retry-After is the time the queue ahead needs at the observed rate."""
+    if in_flight < max_concurrency and queued == 0:
+        return QuotaDecision(run=True, queue=False)
+    if queued < max_queue:
+        return QuotaDecision(run=False, queue=True)
+    waves = (queued + 1) / max_concurrency
+    return QuotaDecision(run=False, queue=False,
+                         retry_after_s=max(1, math.ceil(waves * max(mean_service_s, 0.0))))
+
+
+def _label(r: ResidentView) -> str:
+    return "+".join(r.models) if r.models else r.key
+
+
+def _gib(n: int) -> str:
+    if abs(n) >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB"

@@ -1,0 +1,126 @@
+"""Facts about a model read from its own files, without loading it.
+
+GGUF: tensor sizes and architecture from the header (the `gguf` package).
+safetensors: tensor sizes and dtypes from the header, architecture from `config.json`.
+The footprint estimator (and later the planner) is arithmetic over these facts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from packserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model file says about itself. Sizes in bytes; architecture may be unknown (0)."""
+
+    path: Path
+    format: str  # "gguf" | "safetensors"
+    weight_bytes: int
+    file_bytes: int
+    n_params: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    context_length: int  # what the model was trained for
+
+
+def read_facts(path: Path) -> ModelFacts:
+    """Read a GGUF file or a safetensors model directory. Raises ConfigError if unreadable."""
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            return _gguf_facts(path)
+        if path.is_dir():
+            return _safetensors_facts(path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # corrupt headers surface as many exception types
+        raise ConfigError(f"cannot read the model header of {path}: {exc}") from exc
+    raise ConfigError(f"{path} is neither a .gguf file nor a model directory")
+
+
+def _gguf_facts(path: Path) -> ModelFacts:
+    from gguf import GGUFReader  # imported here: it maps the whole file lazily
+
+    reader = GGUFReader(str(path))
+
+    def field(key: str, default: int = 0) -> int:
+        f = reader.fields.get(key)
+        if f is None:
+            return default
+        value = f.contents()
+        return int(value) if isinstance(value, int | float) else default
+
+    arch_field = reader.fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else "llama"
+    n_heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    head_dim = field(f"{arch}.attention.key_length") or (hidden // n_heads if n_heads else 0)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = field(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    return ModelFacts(
+        path=path,
+        format="gguf",
+        weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
+        file_bytes=path.stat().st_size,
+        n_params=sum(int(t.n_elements) for t in reader.tensors),
+        n_layers=field(f"{arch}.block_count"),
+        n_kv_heads=field(f"{arch}.attention.head_count_kv", n_heads),
+        head_dim=head_dim,
+        hidden_size=hidden,
+        vocab_size=vocab,
+        context_length=field(f"{arch}.context_length"),
+    )
+
+
+_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4,
+    "F16": 2, "BF16": 2, "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+    "BOOL": 1,
+}
+
+
+def _safetensors_facts(folder: Path) -> ModelFacts:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{folder} holds no .safetensors file")
+    weight_bytes = n_params = 0
+    for file in files:
+        with safe_open(str(file), framework="numpy") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                sl = st.get_slice(name)
+                count = 1
+                for dim in sl.get_shape():
+                    count *= int(dim)
+                n_params += count
+                weight_bytes += count * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+    cfg_path = folder / "config.json"
+    cfg: dict[str, object] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.exists() else {}
+
+    def num(key: str, default: int = 0) -> int:
+        value = cfg.get(key, default)
+        return int(value) if isinstance(value, int | float) else default
+
+    heads = num("num_attention_heads")
+    hidden = num("hidden_size")
+    return ModelFacts(
+        path=folder,
+        format="safetensors",
+        weight_bytes=weight_bytes,
+        file_bytes=sum(f.stat().st_size for f in files),
+        n_params=n_params,
+        n_layers=num("num_hidden_layers"),
+        n_kv_heads=num("num_key_value_heads", heads),
+        head_dim=num("head_dim") or (hidden // heads if heads else 0),
+        hidden_size=hidden,
+        vocab_size=num("vocab_size"),
+        context_length=num("max_position_embeddings"),
+    )
