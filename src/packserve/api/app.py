@@ -75,6 +75,10 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems, param = [], None
         for err in exc.errors():
+            if err["type"] == "json_invalid":
+                return JSONResponse(error_body(
+                    f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
+                    "invalid_request_error"), status_code=400)
             loc = [str(p) for p in err["loc"] if p != "body"]
             where = ".".join(loc) or "body"
             param = param or where
