@@ -51,7 +51,7 @@ class _TorchBackend(Backend):
         return int(sum(t.numel() * t.element_size() for t in tensors))
 
     def _max_tokens(self) -> int:
-        return int(self._model.max_seq_length)
+        return int(self._model.max_seq_length or self._model.tokenizer.model_max_length)
 
     def _count_tokens(self, texts: Sequence[str], what: str) -> list[int]:
         limit = self._max_tokens()
@@ -104,9 +104,6 @@ class CrossEncoderBackend(_TorchBackend):
         self._check_files()
         self.name = self.spec.path.name
         self._model = CrossEncoder(str(self.spec.path), **self._kwargs())
-
-    def _max_tokens(self) -> int:
-        return int(self._model.max_length or self._model.tokenizer.model_max_length)
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         tokens = sum(self._count_tokens([query], "query")) + sum(

