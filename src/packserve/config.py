@@ -239,10 +239,23 @@ def load_config(
             )
         raw["models"] = [m for m in raw.get("models", []) if m.get("name") in only_models]
     raw["base_dir"] = str(base)
+    _check_unique_names(raw, text, origin)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, text, origin)) from exc
+
+
+def _check_unique_names(raw: dict[str, object], text: str, origin: str) -> None:
+    models = raw.get("models")
+    seen: set[object] = set()
+    for i, m in enumerate(models if isinstance(models, list) else []):
+        name = m.get("name") if isinstance(m, dict) else None
+        if name is not None and name in seen:
+            line = _find_line(text, ("models", i, "name"))
+            raise ConfigError(f"invalid config:\n  {origin}:{line}: models[{i}].name: two "
+                              f"models are named {name!r}; names must be unique")
+        seen.add(name)
 
 
 def _explain(exc: ValidationError, text: str, origin: str) -> str:

@@ -89,7 +89,8 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type_, code=exc.status_code),
+        code = _HTTP_CODES.get(exc.status_code, str(exc.status_code))
+        return JSONResponse(error_body(str(exc.detail), type_, code=code),
                             status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -258,6 +259,9 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
     return app
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
 def _response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
@@ -274,20 +278,55 @@ def _response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]
     except SchemaError as exc:
         raise InvalidRequest(f"response_format.json_schema.schema is not a valid JSON schema: "
                              f"{exc.message}", param="response_format") from exc
+    _check_refs(schema)
     return schema, False
+
+
+def _refs(node: object) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def _check_refs(schema: dict[str, object]) -> None:
+    """Only local `$ref`s, all resolvable: nothing is ever fetched on a client's behalf."""
+    from referencing import Registry, Resource
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012
+
+    resolver = Registry().with_resource(
+        "urn:packserve:request", Resource.from_contents(schema, DRAFT202012)
+    ).resolver("urn:packserve:request")
+    for ref in _refs(schema):
+        if not ref.startswith("#"):
+            raise InvalidRequest(f"schema $ref {ref!r} is not local; only '#/...' references "
+                                 f"are allowed", param="response_format")
+        try:
+            resolver.lookup(ref)
+        except Unresolvable as exc:
+            raise InvalidRequest(f"schema $ref {ref!r} does not resolve", param="response_format"
+                                 ) from exc
+
+
+def _validator(schema: dict[str, object]) -> Any:
+    from jsonschema import Draft202012Validator
+    from referencing import Registry
+
+    return Draft202012Validator(schema, registry=Registry())
 
 
 def _check_json(text: str, schema: dict[str, object] | None, model: str) -> None:
     """Never pass broken JSON off as an answer: it must parse and match the schema."""
-    from jsonschema import Draft202012Validator
-
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise ModelOutputInvalid(f"model {model!r} stopped with output that is not JSON: "
                                  f"{exc}") from exc
     if schema is not None:
-        errors = sorted(Draft202012Validator(schema).iter_errors(value), key=str)
+        errors = sorted(_validator(schema).iter_errors(value), key=str)
         if errors:
             raise ModelOutputInvalid(f"model {model!r} produced JSON that does not match the "
                                      f"schema: {errors[0].message}")

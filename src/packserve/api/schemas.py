@@ -4,21 +4,32 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 MAX_INPUTS = 2048
 MAX_DOCUMENTS = 1000
 MAX_MESSAGES = 1000
 MAX_TOKENS_CAP = 1_048_576
 
-NonEmpty = Annotated[str, Field(min_length=1)]
+def _encodable(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode ({exc.reason} at position {exc.start})"
+                         ) from exc
+    return value
+
+
+# Every text field: JSON may carry lone surrogates (\ud800) that no tokenizer can take.
+Text = Annotated[str, AfterValidator(_encodable)]
+NonEmpty = Annotated[Text, Field(min_length=1)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: NonEmpty
-    user: str | None = None  # accepted for OpenAI compatibility; not stored
+    user: Text | None = None  # accepted for OpenAI compatibility; not stored
 
 
 class EmbeddingRequest(_Body):
@@ -32,12 +43,12 @@ class EmbeddingRequest(_Body):
 
 class RerankDocument(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    text: str
+    text: Text
 
 
 class RerankRequest(_Body):
     query: NonEmpty
-    documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_DOCUMENTS)]
+    documents: Annotated[list[Text | RerankDocument], Field(min_length=1, max_length=MAX_DOCUMENTS)]
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = False
 
@@ -49,14 +60,14 @@ class RerankRequest(_Body):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     @property
     def text(self) -> str:
@@ -89,8 +100,8 @@ class _Generation(_Body):
     temperature: float = Field(default=0.7, ge=0.0, le=2.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=1, description="only one choice per request")
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -115,7 +126,7 @@ class ChatRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=16)]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=16)]
     max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_CAP)
 
     @property

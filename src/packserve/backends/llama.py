@@ -88,7 +88,7 @@ class LlamaCppBackend(Backend):
             "temperature": params.temperature,
             "top_p": params.top_p,
             "stop": list(params.stop) or None,
-            "seed": params.seed,
+            "seed": None if params.seed is None else params.seed % 2**32,
             "grammar": grammar,
         }
         with self._lock:
