@@ -1,4 +1,4 @@
-"""Shared fixtures: the default catalog served for real, on CPU unless PACKSERVE_TEST_DEVICE says."""
+"""Shared fixtures: the default catalog served for real (CPU unless PACKSERVE_TEST_DEVICE)."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_rerank_puts_the_relevant_document_first(default_server: Running) -> Non
                                    "documents": docs, "top_n": 2, "return_documents": True})
             assert r.status_code == 200, r.text
             results = r.json()["results"]
-            assert [x["index"] for x in results][0] == 1
+            assert results[0]["index"] == 1
             assert len(results) == 2
             assert results[0]["relevance_score"] >= results[1]["relevance_score"]
             assert results[0]["document"]["text"] == docs[1]

@@ -403,6 +403,7 @@ class Scheduler:
                     await self._materialize(res)
                     return
                 except NeverFits:
+                    res.reserved = False
                     raise
                 except Exception as exc:
                     res.reserved = False
@@ -442,17 +443,22 @@ class Scheduler:
 
         backend, measured = await asyncio.to_thread(build)
         seconds = self._clock() - t0
-        res.backend, res.measured, res.load_seconds = backend, measured, seconds
-        res.state, res.error, res.reserved = State.HOT, None, False
-        res.last_used = self._clock()
         self._store.put(res.load, measured)
-        self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
-                             bytes_measured=measured, seconds=seconds, reason="first use"))
+        res.measured = measured
         cap = self._memory_cap(res)
         if cap is not None and measured > cap:
-            await self._unload(res, f"measured {_mib(measured)} exceeds max_memory {_mib(cap)}")
+            # Never publish it as HOT: the caller owns `settled` and may hold a lease.
+            await asyncio.to_thread(backend.unload)
+            del backend
+            await asyncio.to_thread(self._probe.release, device)
+            res.reserved = False
             raise NeverFits(f"model {res.label} measured {_mib(measured)} after loading, over "
                             f"its max_memory quota of {_mib(cap)}; it was unloaded")
+        res.backend, res.load_seconds = backend, seconds
+        res.state, res.error, res.reserved = State.HOT, None, False
+        res.last_used = self._clock()
+        self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
+                             bytes_measured=measured, seconds=seconds, reason="first use"))
 
     async def _unload(self, res: _Resident, reason: str) -> None:
         """hot -> cold. Must hold the device lock; `res` must have no leases."""

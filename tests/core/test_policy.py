@@ -1,0 +1,297 @@
+"""Table tests for the pure scheduling policy (packserve.core.policy): plain data in and out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from packserve.core.policy import (
+    QuotaDecision,
+    ResidentView,
+    Verdict,
+    admit_request,
+    choose_victims,
+    pins_fit,
+    plan_admission,
+)
+from packserve.types import State
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def resident(
+    key: str, mib: int, *, last_used: float = 0.0, pinned: bool = False, in_flight: int = 0,
+    state: State = State.HOT, device: str = "cpu", models: Sequence[str] = (),
+) -> ResidentView:
+    """A resident of `mib` MiB; `models` defaults to one catalog name equal to the key."""
+    return ResidentView(
+        key=key, device=device, state=state, bytes=mib * MIB, pinned=pinned,
+        in_flight=in_flight, last_used=last_used, models=tuple(models) or (key,),
+    )
+
+
+def cold(key: str, mib: int, *, models: Sequence[str] = ()) -> ResidentView:
+    """A target that is not loaded yet."""
+    return resident(key, mib, state=State.COLD, models=models)
+
+
+# ------------------------------------------------------------------------- choose_victims
+
+VICTIM_CASES = [
+    pytest.param(
+        [resident("a", 100, last_used=1)], 50, 60, (),
+        id="fits-in-free-memory-evicts-nothing"),
+    pytest.param(
+        [resident("a", 100, last_used=3), resident("b", 100, last_used=1),
+         resident("c", 100, last_used=2)], 150, 60, ("b",),
+        id="least-recently-used-leaves-first"),
+    pytest.param(
+        [resident("a", 100, last_used=3), resident("b", 100, last_used=1),
+         resident("c", 100, last_used=2)], 250, 60, ("b", "c"),
+        id="lru-order-and-only-enough-victims"),
+    pytest.param(
+        [resident("a", 100, last_used=1), resident("b", 100, last_used=2)], 200, 100, ("a",),
+        id="stops-when-freed-equals-need"),
+    pytest.param(
+        [resident("a", 100, last_used=5), resident("small", 50, last_used=5),
+         resident("big", 200, last_used=5)], 200, 0, ("big",),
+        id="tie-on-last-used-larger-first"),
+    pytest.param(
+        [resident("p", 500, last_used=0, pinned=True), resident("b", 100, last_used=9)],
+        100, 0, ("b",),
+        id="pinned-never-chosen-even-if-oldest"),
+    pytest.param(
+        [resident("busy", 500, last_used=0, in_flight=1), resident("b", 100, last_used=9)],
+        100, 0, ("b",),
+        id="in-flight-never-chosen-even-if-oldest"),
+    pytest.param(
+        [resident("l", 500, state=State.LOADING), resident("c", 500, state=State.COLD),
+         resident("f", 500, state=State.FAILED), resident("b", 100, last_used=9)],
+        100, 0, ("b",),
+        id="loading-cold-failed-not-chosen"),
+    pytest.param(
+        [resident("p", 500, pinned=True), resident("busy", 500, in_flight=2),
+         resident("l", 500, state=State.LOADING), resident("b", 100)],
+        300, 50, None,
+        id="not-enough-evictable-returns-none"),
+    pytest.param([], 10, 0, None, id="nothing-resident-returns-none"),
+]
+
+
+@pytest.mark.parametrize(("residents", "need_mib", "free_mib", "expected"), VICTIM_CASES)
+def test_choose_victims(
+    residents: list[ResidentView], need_mib: int, free_mib: int,
+    expected: tuple[str, ...] | None,
+) -> None:
+    assert choose_victims(residents, need_mib * MIB, free_mib * MIB) == expected
+
+
+def test_choose_victims_honours_a_custom_order() -> None:
+    residents = [resident("old", 100, last_used=1), resident("new", 100, last_used=9)]
+    newest_first = choose_victims(residents, 100 * MIB, 0, order=lambda r: (-r.last_used,))
+    assert newest_first == ("new",)
+
+
+# ------------------------------------------------------------------------- plan_admission
+
+ADMISSION_CASES = [
+    pytest.param(
+        resident("t", 100), [resident("a", 900)], 1000,
+        Verdict.ALREADY_LOADED, (),
+        id="already-loaded"),
+    pytest.param(
+        cold("t", 100), [], 1000,
+        Verdict.FITS, (),
+        id="fits-on-empty-device"),
+    pytest.param(
+        cold("t", 100), [resident("a", 400, last_used=1), resident("b", 400, last_used=2)], 1000,
+        Verdict.FITS, (),
+        id="fits-in-free-memory-without-eviction"),
+    pytest.param(
+        cold("t", 300), [resident("a", 400, last_used=2), resident("b", 400, last_used=1)], 1000,
+        Verdict.FITS_AFTER_EVICTION, ("b",),
+        id="evicts-least-recently-used"),
+    pytest.param(
+        cold("t", 700), [resident("a", 400, last_used=2), resident("b", 400, last_used=1),
+                         resident("c", 100, last_used=3)], 1000,
+        Verdict.FITS_AFTER_EVICTION, ("b", "a"),
+        id="evicts-only-enough"),
+    pytest.param(
+        cold("t", 300), [resident("a", 400, in_flight=1), resident("b", 400, in_flight=3)], 1000,
+        Verdict.WAIT_FOR_BUSY, (),
+        id="busy-models-hold-the-memory"),
+    pytest.param(
+        cold("t", 300), [resident("a", 400, state=State.LOADING), resident("b", 400)], 1000,
+        Verdict.FITS_AFTER_EVICTION, ("b",),
+        id="loading-resident-holds-memory-but-is-not-a-victim"),
+    pytest.param(
+        cold("t", 300), [resident("a", 800, state=State.LOADING)], 1000,
+        Verdict.WAIT_FOR_BUSY, (),
+        id="loading-resident-makes-it-wait"),
+    pytest.param(
+        cold("t", 300), [resident("p", 500, pinned=True), resident("b", 400)], 1000,
+        Verdict.FITS_AFTER_EVICTION, ("b",),
+        id="pinned-stays-unpinned-leaves"),
+    pytest.param(
+        cold("t", 600), [resident("p", 500, pinned=True)], 1000,
+        Verdict.NEVER_FITS, (),
+        id="never-fits-beside-pins"),
+    pytest.param(
+        cold("t", 1001), [], 1000,
+        Verdict.NEVER_FITS, (),
+        id="never-fits-empty-device"),
+    pytest.param(
+        cold("t", 500), [resident("p", 500, pinned=True), resident("b", 400)], 1000,
+        Verdict.FITS_AFTER_EVICTION, ("b",),
+        id="exactly-capacity-minus-pins-fits"),
+    pytest.param(
+        cold("t", 600), [resident("p", 500, pinned=True, state=State.COLD)], 1000,
+        Verdict.FITS, (),
+        id="pinned-but-not-loaded-holds-nothing"),
+    pytest.param(
+        cold("t", 600), [resident("x", 900, device="cuda:0"),
+                         resident("p", 900, pinned=True, device="cuda:0")], 1000,
+        Verdict.FITS, (),
+        id="other-devices-ignored"),
+    pytest.param(
+        cold("t", 600), [resident("c", 900, state=State.COLD),
+                         resident("f", 900, state=State.FAILED)], 1000,
+        Verdict.FITS, (),
+        id="cold-and-failed-hold-nothing"),
+    pytest.param(
+        cold("t", 600), [resident("t", 900, in_flight=1)], 1000,
+        Verdict.FITS, (),
+        id="target-own-row-ignored"),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "residents", "capacity_mib", "verdict", "victims"), ADMISSION_CASES)
+def test_plan_admission_verdicts(
+    target: ResidentView, residents: list[ResidentView], capacity_mib: int,
+    verdict: Verdict, victims: tuple[str, ...],
+) -> None:
+    answer = plan_admission(target, residents, capacity_mib * MIB)
+    assert (answer.verdict, answer.victims) == (verdict, victims)
+    assert answer.target == target.key
+    assert answer.device == target.device
+    assert answer.need_bytes == target.bytes
+    assert answer.capacity_bytes == capacity_mib * MIB
+
+
+@pytest.mark.parametrize(
+    ("residents", "used", "pinned", "busy"),
+    [
+        pytest.param([], 0, 0, 0, id="empty"),
+        pytest.param(
+            [resident("p", 100, pinned=True), resident("b", 200, in_flight=1),
+             resident("i", 300), resident("l", 50, state=State.LOADING),
+             resident("c", 999, state=State.COLD), resident("g", 999, device="cuda:0")],
+            650, 100, 250, id="mixed"),
+        pytest.param(
+            [resident("p", 100, pinned=True, in_flight=2)], 100, 100, 0,
+            id="busy-pinned-counts-as-pinned-only"),
+    ],
+)
+def test_plan_admission_accounting(
+    residents: list[ResidentView], used: int, pinned: int, busy: int,
+) -> None:
+    answer = plan_admission(cold("t", 10), residents, 10 * GIB)
+    assert (answer.used_bytes, answer.pinned_bytes, answer.busy_bytes) == (
+        used * MIB, pinned * MIB, busy * MIB)
+
+
+def test_never_fits_reason_names_model_footprint_budget_and_pins() -> None:
+    target = cold("k-chat", 300, models=("chat-small", "complete-small"))
+    residents = [
+        resident("k-emb", 800, pinned=True, models=("embedder",)),
+        resident("k-idle", 100),
+    ]
+    answer = plan_admission(target, residents, GIB)
+    assert answer.verdict is Verdict.NEVER_FITS
+    assert answer.pinned_bytes == 800 * MIB
+    reason = answer.reason
+    assert "chat-small+complete-small needs 300.0 MiB" in reason
+    assert "cpu has a budget of 1.00 GiB" in reason
+    assert "pinned models hold 800.0 MiB" in reason
+    assert "embedder (800.0 MiB)" in reason
+    assert "k-idle" not in reason
+
+
+def test_never_fits_reason_without_pins_says_none() -> None:
+    answer = plan_admission(cold("big", 2048), [], GIB)
+    assert answer.verdict is Verdict.NEVER_FITS
+    assert "big needs 2.00 GiB" in answer.reason
+    assert "(pinned: none)" in answer.reason
+
+
+def test_eviction_reason_names_victims() -> None:
+    answer = plan_admission(cold("t", 300), [resident("old", 400, last_used=1),
+                                             resident("new", 400, last_used=2)], 1000 * MIB)
+    assert answer.victims == ("old",)
+    assert "evicting old (400.0 MiB, idle, least recently used)" in answer.reason
+    assert "new" not in answer.reason
+
+
+# ------------------------------------------------------------------------- pins_fit
+
+@pytest.mark.parametrize(
+    ("pinned", "capacity_mib", "fits"),
+    [
+        pytest.param([], 0, True, id="no-pins"),
+        pytest.param([resident("a", 400), resident("b", 600)], 1000, True, id="exactly-fits"),
+        pytest.param([resident("a", 400), resident("b", 601)], 1000, False, id="one-mib-over"),
+        pytest.param([resident("a", 2000)], 1000, False, id="single-pin-too-big"),
+    ],
+)
+def test_pins_fit(pinned: list[ResidentView], capacity_mib: int, fits: bool) -> None:
+    reason = pins_fit(pinned, capacity_mib * MIB)
+    assert (reason is None) == fits
+
+
+def test_pins_fit_reason_names_models_and_numbers() -> None:
+    pinned = [resident("ka", 600, models=("embedder",), device="cuda:0"),
+              resident("kb", 600, models=("chat", "complete"), device="cuda:0")]
+    reason = pins_fit(pinned, GIB)
+    assert reason is not None
+    assert "pinned models on cuda:0 need 1.17 GiB together" in reason
+    assert "budget after headroom is 1.00 GiB" in reason
+    assert "embedder 600.0 MiB" in reason
+    assert "chat+complete 600.0 MiB" in reason
+
+
+# ------------------------------------------------------------------------- admit_request
+
+QUOTA_CASES = [
+    pytest.param(0, 0, 1, 1, 1.0, QuotaDecision(run=True, queue=False), id="idle-runs"),
+    pytest.param(3, 0, 4, 0, 1.0, QuotaDecision(run=True, queue=False), id="last-slot-runs"),
+    pytest.param(1, 0, 1, 1, 1.0, QuotaDecision(run=False, queue=True), id="full-queues"),
+    pytest.param(0, 1, 2, 4, 1.0, QuotaDecision(run=False, queue=True),
+                 id="free-slot-but-queue-waiting-queues"),
+    pytest.param(1, 1, 1, 1, 1.0, QuotaDecision(run=False, queue=False, retry_after_s=2),
+                 id="queue-full-refuses"),
+    pytest.param(4, 8, 4, 8, 2.5, QuotaDecision(run=False, queue=False, retry_after_s=6),
+                 id="retry-after-ceil-waves-times-service"),
+    pytest.param(2, 0, 2, 0, 3.0, QuotaDecision(run=False, queue=False, retry_after_s=2),
+                 id="no-queue-refuses"),
+    pytest.param(1, 1, 1, 1, 0.0, QuotaDecision(run=False, queue=False, retry_after_s=1),
+                 id="zero-service-time-at-least-one"),
+    pytest.param(8, 2, 8, 2, 0.01, QuotaDecision(run=False, queue=False, retry_after_s=1),
+                 id="tiny-service-time-at-least-one"),
+    pytest.param(1, 1, 1, 1, -5.0, QuotaDecision(run=False, queue=False, retry_after_s=1),
+                 id="negative-service-time-at-least-one"),
+]
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "queued", "max_concurrency", "max_queue", "mean_service_s", "expected"),
+    QUOTA_CASES,
+)
+def test_admit_request(
+    in_flight: int, queued: int, max_concurrency: int, max_queue: int, mean_service_s: float,
+    expected: QuotaDecision,
+) -> None:
+    assert admit_request(in_flight, queued, max_concurrency, max_queue,
+                         mean_service_s) == expected

@@ -1,0 +1,744 @@
+"""Scheduler tests on CPU with the fake backend: no sockets, no weights, no sleeping to wait.
+
+Each test builds a Scheduler directly from small factories (`entry`, `harness`), steers loads
+through a fresh `FakeControl`, and waits on events or loop state with timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from packserve.backends.fake import FakeBackend, FakeControl
+from packserve.config import ModelSpec
+from packserve.core.backend import Backend, LoadSpec
+from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
+from packserve.core.policy import Verdict
+from packserve.core.scheduler import (
+    DeviceBudget,
+    Entry,
+    FootprintStore,
+    ModelStatus,
+    Scheduler,
+)
+from packserve.errors import (
+    Conflict,
+    ModelNotFound,
+    ModelUnavailable,
+    NeverFits,
+    PinsDoNotFit,
+    QueueFull,
+)
+from packserve.types import State, Task
+
+MIB = 1 << 20
+GIB = 1 << 30
+TIMEOUT = 10.0  # seconds; a bound on waiting for events, never a timing assertion
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------- factories
+
+
+class FakeProbe:
+    """A MemoryProbe whose used figure never moves, so measured = the backend's weight bytes."""
+
+    def __init__(self) -> None:
+        self.releases = 0
+
+    def total_bytes(self, device: str) -> int:
+        return 64 * GIB
+
+    def used_bytes(self, device: str) -> int:
+        return GIB
+
+    def release(self, device: str) -> None:
+        self.releases += 1
+
+
+class Clock:
+    """A scheduler clock that moves only when the test says so."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Recorder:
+    """An event sink that remembers every event and lets a test await one."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.gauges: list[int] = []  # `gauge()` at each event
+        self.gauge: Callable[[], int] = lambda: 0
+        self._changed = asyncio.Event()
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        self.gauges.append(self.gauge())
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def of(self, kind: type[T]) -> list[T]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def names(self, kind: type[LoadEvent] | type[EvictEvent] | type[LoadFailedEvent]) -> list[str]:
+        return [e.model for e in self.of(kind)]
+
+    async def wait_for(self, pred: Callable[[Event], bool]) -> Event:
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                for e in self.events:
+                    if pred(e):
+                        return e
+                await self._changed.wait()
+
+
+def entry(
+    name: str, mib: int = 100, *, declared_mib: int | None = None, weights: str | None = None,
+    pin: bool = False, max_concurrency: int = 32, max_queue: int = 64,
+    max_memory: int | None = None, tasks: Sequence[Task] = (Task.EMBED,),
+) -> Entry:
+    """A fake model estimated at `mib` MiB whose backend declares `declared_mib` (default: same).
+
+    Entries with equal `weights` (default: the name) share one LoadSpec, hence one resident.
+    """
+    source = f"fake:{declared_mib or mib}MiB"
+    spec = ModelSpec(name=name, tasks=list(tasks), backend="fake", source=source, device="cpu",
+                     pin=pin, max_concurrency=max_concurrency, max_queue=max_queue,
+                     max_memory=max_memory)
+    load = LoadSpec(backend="fake", path=Path(weights or name) / source, device="cpu",
+                    context_length=0)
+    return Entry(spec=spec, load=load, bytes_estimated=mib * MIB)
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    control: FakeControl
+    events: Recorder
+    probe: FakeProbe
+    clock: Clock
+    capacity: int
+    built: list[FakeBackend] = field(default_factory=list)
+    building: threading.Event = field(default_factory=threading.Event)
+
+    def status(self, name: str) -> ModelStatus:
+        (row,) = [m for m in self.scheduler.models() if m.name == name]
+        return row
+
+    def state(self, name: str) -> State:
+        return self.scheduler.state_of(name)
+
+    def loaded_bytes(self) -> int:
+        """What the fake engines really hold now, independent of the scheduler's accounting."""
+        return sum(b.weight_bytes() for b in self.built)
+
+    @property
+    def used(self) -> int:
+        return self.scheduler.devices()[0].used_bytes
+
+
+def harness(
+    entries: Sequence[Entry], budget_mib: int, *, headroom_mib: int = 0,
+    clock: Clock | None = None, real_clock: bool = False, store: FootprintStore | None = None,
+    load_wait_s: float = 120.0, failure_cooldown_s: float = 30.0,
+) -> Harness:
+    """A scheduler over `entries` on one cpu device. Call inside a running event loop."""
+    control = FakeControl()
+    events = Recorder()
+    probe = FakeProbe()
+    clock = clock or Clock()
+    built: list[FakeBackend] = []
+    building = threading.Event()
+
+    def factory(spec: LoadSpec) -> Backend:
+        backend = FakeBackend(spec)
+        backend.control = control
+        built.append(backend)
+        building.set()
+        return backend
+
+    scheduler = Scheduler(
+        entries, [DeviceBudget("cpu", budget_bytes=budget_mib * MIB,
+                               headroom_bytes=headroom_mib * MIB)],
+        factory, probe, store, load_wait_s=load_wait_s, failure_cooldown_s=failure_cooldown_s,
+        clock=time.monotonic if real_clock else clock, sinks=(events,),
+    )
+    h = Harness(scheduler=scheduler, control=control, events=events, probe=probe, clock=clock,
+                capacity=(budget_mib - headroom_mib) * MIB, built=built, building=building)
+    events.gauge = lambda: max(h.used, h.loaded_bytes())
+    return h
+
+
+def run(coro: Coroutine[object, object, None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, 4 * TIMEOUT))
+
+
+async def use(scheduler: Scheduler, name: str, task: Task = Task.EMBED) -> Backend:
+    """One request: take a lease, return the backend it lent."""
+    async with scheduler.acquire(name, task) as lease:
+        assert lease.model == name
+        return lease.backend
+
+
+async def drain(rounds: int = 50) -> None:
+    """Let every ready task run until it blocks. Yields to the loop; never waits on time."""
+    for _ in range(rounds):
+        await asyncio.sleep(0)
+
+
+class Hold:
+    """A request that keeps its lease until `release()`."""
+
+    def __init__(self, scheduler: Scheduler, name: str) -> None:
+        self._acquired = asyncio.Event()
+        self._release = asyncio.Event()
+        self.task = asyncio.create_task(self._run(scheduler, name))
+
+    async def _run(self, scheduler: Scheduler, name: str) -> None:
+        async with scheduler.acquire(name, Task.EMBED):
+            self._acquired.set()
+            await self._release.wait()
+
+    async def acquired(self) -> Hold:
+        waiter = asyncio.create_task(self._acquired.wait())
+        await asyncio.wait({waiter, self.task}, timeout=TIMEOUT,
+                           return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if self.task.done():
+            self.task.result()  # re-raise what went wrong
+        assert self._acquired.is_set(), "lease not granted in time"
+        return self
+
+    async def release(self) -> None:
+        self._release.set()
+        await asyncio.wait_for(self.task, TIMEOUT)
+
+
+async def hold(scheduler: Scheduler, name: str) -> Hold:
+    return await Hold(scheduler, name).acquired()
+
+
+# ------------------------------------------------------------------------- single flight
+
+
+def test_twenty_concurrent_acquires_on_a_cold_model_load_it_once() -> None:
+    async def body() -> None:
+        h = harness([entry("m")], budget_mib=1024)
+        h.control.gate.clear()
+        try:
+            tasks = [asyncio.create_task(use(h.scheduler, "m")) for _ in range(20)]
+            await drain()
+            assert h.status("m").in_flight == 20
+            assert await asyncio.to_thread(h.building.wait, TIMEOUT)
+            assert h.state("m") is State.LOADING
+            assert h.events.of(LoadEvent) == []
+        finally:
+            h.control.gate.set()
+        backends = await asyncio.wait_for(asyncio.gather(*tasks), TIMEOUT)
+
+        assert len(h.built) == 1
+        assert h.control.loads == {"fake:100MiB": 1}
+        assert h.events.names(LoadEvent) == ["m"]
+        assert all(b is h.built[0] for b in backends)
+        assert h.state("m") is State.HOT
+        assert h.status("m").in_flight == 0
+        await h.scheduler.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- eviction
+
+
+def test_lru_eviction_keeps_used_bytes_within_the_budget() -> None:
+    async def body() -> None:
+        h = harness([entry("a"), entry("b"), entry("c")], budget_mib=250)
+        s = h.scheduler
+        await use(s, "a")
+        h.clock.advance(1)
+        await use(s, "b")
+        h.clock.advance(1)
+        assert h.used == 200 * MIB
+        assert h.events.of(EvictEvent) == []
+
+        await use(s, "c")  # a is least recently used
+        assert [(e.model, e.bytes) for e in h.events.of(EvictEvent)] == [("a", 100 * MIB)]
+        assert [h.state(n) for n in "abc"] == [State.COLD, State.HOT, State.HOT]
+        h.clock.advance(1)
+
+        await use(s, "a")  # back in; now b is least recently used
+        assert h.events.names(EvictEvent) == ["a", "b"]
+        assert [h.state(n) for n in "abc"] == [State.HOT, State.COLD, State.HOT]
+        assert h.events.names(LoadEvent) == ["a", "b", "c", "a"]
+        assert h.control.unloads == {"fake:100MiB": 2}
+        assert h.probe.releases == 2
+
+        assert h.used == 200 * MIB == h.loaded_bytes()
+        assert max(h.events.gauges) <= h.capacity
+        await s.close()
+
+    run(body())
+
+
+def test_recent_use_protects_a_model_from_eviction() -> None:
+    async def body() -> None:
+        h = harness([entry("a"), entry("b"), entry("c")], budget_mib=250)
+        s = h.scheduler
+        await use(s, "a")
+        h.clock.advance(1)
+        await use(s, "b")
+        h.clock.advance(1)
+        await use(s, "a")  # a is now more recent than b
+        h.clock.advance(1)
+        await use(s, "c")
+        assert h.events.names(EvictEvent) == ["b"]
+        assert h.state("a") is State.HOT
+        await s.close()
+
+    run(body())
+
+
+def test_model_with_a_lease_is_never_evicted_the_load_waits_for_it() -> None:
+    async def body() -> None:
+        h = harness([entry("a"), entry("b")], budget_mib=150)
+        s = h.scheduler
+        holder = await hold(s, "a")
+        assert s.plan("b").verdict is Verdict.WAIT_FOR_BUSY
+
+        b = asyncio.create_task(use(s, "b"))
+        await drain()  # b reaches admission, finds a busy, and waits for memory
+        assert h.state("b") is State.LOADING
+        assert not b.done()
+        assert h.state("a") is State.HOT
+        assert h.events.of(EvictEvent) == []
+        assert h.events.names(LoadEvent) == ["a"]
+
+        await holder.release()
+        await asyncio.wait_for(b, TIMEOUT)
+        assert h.events.names(EvictEvent) == ["a"]
+        assert h.events.names(LoadEvent) == ["a", "b"]
+        assert (h.state("a"), h.state("b")) == (State.COLD, State.HOT)
+        assert max(h.events.gauges) <= h.capacity
+        await s.close()
+
+    run(body())
+
+
+def test_load_waiting_on_a_busy_model_times_out_with_503() -> None:
+    async def body() -> None:
+        h = harness([entry("a"), entry("b")], budget_mib=150, real_clock=True, load_wait_s=0.05)
+        s = h.scheduler
+        holder = await hold(s, "a")
+        with pytest.raises(ModelUnavailable) as caught:
+            await use(s, "b")
+        err = caught.value
+        assert err.status == 503
+        assert err.retry_after_s >= 1
+        assert err.headers == {"Retry-After": str(err.retry_after_s)}
+        assert "waiting for memory" in err.message
+        assert (h.state("a"), h.state("b")) == (State.HOT, State.COLD)
+        assert h.events.of(EvictEvent) == []
+        assert len(h.built) == 1
+
+        await holder.release()
+        await use(s, "b")  # memory frees up once the lease ends
+        assert (h.state("a"), h.state("b")) == (State.COLD, State.HOT)
+        await s.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- pins
+
+
+def test_check_pins_names_models_and_numbers_when_pins_exceed_the_budget() -> None:
+    async def body() -> None:
+        h = harness([entry("emb", 100, pin=True), entry("chat", 60, pin=True), entry("free")],
+                    budget_mib=200, headroom_mib=50)
+        with pytest.raises(PinsDoNotFit) as caught:
+            h.scheduler.check_pins()
+        message = caught.value.message
+        assert "emb 100.0 MiB" in message
+        assert "chat 60.0 MiB" in message
+        assert "160.0 MiB" in message
+        assert "150.0 MiB" in message
+        assert "free" not in message
+
+        with pytest.raises(PinsDoNotFit):
+            await h.scheduler.start()
+        assert h.built == []
+
+    run(body())
+
+
+def test_pins_that_fit_pass_the_check() -> None:
+    async def body() -> None:
+        h = harness([entry("emb", 100, pin=True), entry("chat", 50, pin=True)], budget_mib=150)
+        h.scheduler.check_pins()
+
+    run(body())
+
+
+def test_start_loads_pins_and_only_pins() -> None:
+    async def body() -> None:
+        h = harness([entry("p", pin=True), entry("a")], budget_mib=1024)
+        s = h.scheduler
+        assert s.ready() == (False, ["p"])
+        await s.start()
+        assert (h.state("p"), h.state("a")) == (State.HOT, State.COLD)
+        assert s.ready() == (True, [])
+        assert h.events.names(LoadEvent) == ["p"]
+        await s.close()
+
+    run(body())
+
+
+def test_pinned_model_is_never_evicted_even_when_least_recently_used() -> None:
+    async def body() -> None:
+        h = harness([entry("p", pin=True), entry("a"), entry("b")], budget_mib=250)
+        s = h.scheduler
+        await s.start()
+        h.clock.advance(1)
+        await use(s, "a")
+        h.clock.advance(1)
+        await use(s, "b")
+        h.clock.advance(1)
+        await use(s, "a")
+        assert h.events.names(EvictEvent) == ["a", "b"]
+        assert h.state("p") is State.HOT
+        assert h.events.names(LoadEvent).count("p") == 1
+        assert max(h.events.gauges) <= h.capacity
+        await s.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- never fits
+
+
+def test_model_larger_than_the_budget_never_fits_507() -> None:
+    async def body() -> None:
+        h = harness([entry("big", 200)], budget_mib=150)
+        with pytest.raises(NeverFits) as caught:
+            await use(h.scheduler, "big")
+        assert caught.value.status == 507
+        assert "big needs 200.0 MiB" in caught.value.message
+        assert "budget of 150.0 MiB" in caught.value.message
+        assert h.built == []
+        assert h.state("big") is State.COLD
+
+    run(body())
+
+
+def test_model_that_fits_only_without_the_pins_never_fits_and_names_them() -> None:
+    async def body() -> None:
+        h = harness([entry("p", pin=True), entry("big", 200)], budget_mib=250)
+        await h.scheduler.start()
+        with pytest.raises(NeverFits) as caught:
+            await use(h.scheduler, "big")
+        assert "pinned models hold 100.0 MiB" in caught.value.message
+        assert "p (100.0 MiB)" in caught.value.message
+        assert h.state("p") is State.HOT
+        assert h.events.of(EvictEvent) == []
+        await h.scheduler.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- load failures
+
+
+def test_failed_load_evicts_idle_models_and_retries_once() -> None:
+    async def body() -> None:
+        h = harness([entry("idle"), entry("busy"), entry("m")], budget_mib=1024)
+        s = h.scheduler
+        await use(s, "idle")
+        holder = await hold(s, "busy")
+        h.control.fail_next = 1
+
+        await use(s, "m")
+        failures = h.events.of(LoadFailedEvent)
+        assert [(f.model, f.will_retry) for f in failures] == [("m", True)]
+        assert "MemoryError" in failures[0].reason
+        assert h.events.names(EvictEvent) == ["idle"]
+        kinds = [(e.kind, e.model) for e in h.events.events]
+        assert kinds.index(("failure", "m")) < kinds.index(("evict", "idle")) \
+            < kinds.index(("load", "m"))
+        assert [h.state(n) for n in ("idle", "busy", "m")] == [State.COLD, State.HOT, State.HOT]
+        assert h.status("m").error is None
+
+        await holder.release()
+        await s.close()
+
+    run(body())
+
+
+def test_second_failure_marks_failed_and_honours_the_cooldown() -> None:
+    async def body() -> None:
+        h = harness([entry("ok"), entry("m")], budget_mib=1024, failure_cooldown_s=30)
+        s = h.scheduler
+        await use(s, "ok")
+        h.control.fail_next = 2
+
+        with pytest.raises(ModelUnavailable) as caught:
+            await use(s, "m")
+        assert caught.value.status == 503
+        assert caught.value.retry_after_s >= 1
+        assert h.state("m") is State.FAILED
+        error = h.status("m").error
+        assert error is not None
+        assert "MemoryError" in error
+        assert [f.will_retry for f in h.events.of(LoadFailedEvent)] == [True, False]
+        attempts = len(h.built)
+
+        h.clock.advance(10)
+        with pytest.raises(ModelUnavailable) as caught:
+            await use(s, "m")
+        assert caught.value.retry_after_s == 21  # 20 s of cooldown left, rounded up
+        assert "MemoryError" in caught.value.message
+        assert len(h.built) == attempts  # no load attempted during the cooldown
+
+        await use(s, "ok")  # other models keep serving
+        assert h.state("ok") is State.HOT
+
+        h.clock.advance(21)
+        await use(s, "m")
+        assert h.state("m") is State.HOT
+        assert h.status("m").error is None
+        await s.close()
+
+    run(body())
+
+
+def test_waiters_on_a_failing_load_all_get_503() -> None:
+    async def body() -> None:
+        h = harness([entry("m")], budget_mib=1024)
+        h.control.fail_next = 2
+        h.control.gate.clear()
+        try:
+            tasks = [asyncio.create_task(use(h.scheduler, "m")) for _ in range(5)]
+            await drain()
+            assert h.status("m").in_flight == 5
+        finally:
+            h.control.gate.set()
+        results = await asyncio.wait_for(
+            asyncio.gather(*tasks, return_exceptions=True), TIMEOUT)
+        assert all(isinstance(r, ModelUnavailable) for r in results)
+        assert len(h.built) == 2  # the first attempt and its one retry, shared by all five
+        assert h.status("m").in_flight == 0
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- quotas
+
+
+def test_queue_full_gets_429_and_the_queued_request_runs_after_the_first() -> None:
+    async def body() -> None:
+        h = harness([entry("q", max_concurrency=1, max_queue=1)], budget_mib=1024)
+        s = h.scheduler
+        first = await hold(s, "q")
+        second = asyncio.create_task(use(s, "q"))
+        await drain()
+        assert h.status("q").queued == 1
+
+        with pytest.raises(QueueFull) as caught:
+            await asyncio.wait_for(use(s, "q"), TIMEOUT)
+        err = caught.value
+        assert err.status == 429
+        assert err.retry_after_s >= 1
+        assert err.headers == {"Retry-After": str(err.retry_after_s)}
+        assert not second.done()
+        assert (h.status("q").in_flight, h.status("q").queued) == (1, 1)
+
+        await first.release()
+        await asyncio.wait_for(second, TIMEOUT)
+        assert (h.status("q").in_flight, h.status("q").queued) == (0, 0)
+        await s.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- dry run
+
+
+def test_plan_names_victims_by_catalog_name_and_changes_nothing() -> None:
+    async def body() -> None:
+        h = harness([entry("x", weights="shared"), entry("y", weights="shared"), entry("b"),
+                     entry("c")], budget_mib=250)
+        s = h.scheduler
+        await use(s, "x")
+        h.clock.advance(1)
+        await use(s, "b")
+        h.clock.advance(1)
+        before = ([h.state(n) for n in "xybc"], len(h.events.events), len(h.built), h.used)
+
+        answer = s.plan("c")
+        assert answer.verdict is Verdict.FITS_AFTER_EVICTION
+        assert answer.target == "c"
+        assert answer.victims == ("x+y",)
+        assert "evicting x+y" in answer.reason
+        assert s.plan("b").verdict is Verdict.ALREADY_LOADED
+
+        after = ([h.state(n) for n in "xybc"], len(h.events.events), len(h.built), h.used)
+        assert after == before
+        await s.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- shared weights
+
+
+def test_models_with_equal_load_specs_share_one_load_counted_once() -> None:
+    async def body() -> None:
+        h = harness([entry("x", weights="w"),
+                     entry("y", weights="w", tasks=(Task.RERANK,))], budget_mib=1024)
+        s = h.scheduler
+        bx = await use(s, "x")
+        by = await use(s, "y", Task.RERANK)
+        assert bx is by
+        assert len(h.built) == 1
+        assert h.events.names(LoadEvent) == ["x+y"]
+        assert (h.state("x"), h.state("y")) == (State.HOT, State.HOT)
+        assert s.devices()[0].used_bytes == 100 * MIB
+        assert h.status("x").shares_weights_with == ("y",)
+        await s.close()
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- footprints
+
+
+def test_measured_footprint_is_persisted_and_used_by_a_new_scheduler(tmp_path: Path) -> None:
+    path = tmp_path / "f.json"
+
+    async def first() -> None:
+        h = harness([entry("m", 50, declared_mib=100)], budget_mib=1024,
+                    store=FootprintStore(path))
+        await use(h.scheduler, "m")
+        (load,) = h.events.of(LoadEvent)
+        assert (load.bytes_estimated, load.bytes_measured) == (50 * MIB, 100 * MIB)
+        assert h.status("m").bytes_measured == 100 * MIB
+        await h.scheduler.close()
+
+    async def second() -> None:
+        # The estimate (50 MiB) would fit in 80 MiB; the measured 100 MiB does not.
+        h = harness([entry("m", 50, declared_mib=100)], budget_mib=80,
+                    store=FootprintStore(path))
+        assert h.status("m").bytes_measured == 100 * MIB
+        assert h.scheduler.plan("m").need_bytes == 100 * MIB
+        with pytest.raises(NeverFits):
+            await use(h.scheduler, "m")
+        assert h.built == []
+
+    run(first())
+    assert path.exists()
+    run(second())
+
+
+# ------------------------------------------------------------------------- admin
+
+
+def test_unload_of_a_pinned_model_is_a_conflict() -> None:
+    async def body() -> None:
+        h = harness([entry("p", pin=True)], budget_mib=1024)
+        await h.scheduler.start()
+        with pytest.raises(Conflict) as caught:
+            await h.scheduler.unload("p")
+        assert caught.value.status == 409
+        assert h.state("p") is State.HOT
+        await h.scheduler.close()
+
+    run(body())
+
+
+def test_unload_of_a_busy_model_is_a_conflict_and_of_an_idle_one_works() -> None:
+    async def body() -> None:
+        h = harness([entry("a")], budget_mib=1024)
+        s = h.scheduler
+        holder = await hold(s, "a")
+        with pytest.raises(Conflict) as caught:
+            await s.unload("a")
+        assert caught.value.status == 409
+        assert h.state("a") is State.HOT
+        assert h.events.of(EvictEvent) == []
+
+        await holder.release()
+        await s.unload("a")
+        assert h.state("a") is State.COLD
+        assert [e.reason for e in h.events.of(EvictEvent)] == ["unloaded by operator"]
+        assert h.used == 0 == h.loaded_bytes()
+
+    run(body())
+
+
+def test_unknown_model_is_not_found() -> None:
+    async def body() -> None:
+        h = harness([entry("a")], budget_mib=1024)
+        with pytest.raises(ModelNotFound) as caught:
+            await use(h.scheduler, "nope")
+        assert caught.value.status == 404
+        assert "a" in caught.value.message
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- max_memory quota
+
+
+def test_estimate_over_max_memory_never_fits_without_loading() -> None:
+    async def body() -> None:
+        h = harness([entry("m", 100, max_memory=50 * MIB)], budget_mib=1024)
+        with pytest.raises(NeverFits) as caught:
+            await use(h.scheduler, "m")
+        assert caught.value.status == 507
+        assert "max_memory" in caught.value.message
+        assert h.built == []
+        assert h.state("m") is State.COLD
+
+    run(body())
+
+
+async def _request(scheduler: Scheduler, name: str) -> None:
+    await use(scheduler, name)
+
+
+async def _admin_load(scheduler: Scheduler, name: str) -> None:
+    await scheduler.load(name)
+
+
+@pytest.mark.parametrize("load", [_request, _admin_load], ids=["request", "admin-load"])
+def test_measured_footprint_over_max_memory_never_fits_and_is_unloaded(
+    load: Callable[[Scheduler, str], Coroutine[object, object, None]],
+) -> None:
+    async def body() -> None:
+        # Estimated 50 MiB passes the 80 MiB quota; the load then measures 100 MiB.
+        h = harness([entry("m", 50, declared_mib=100, max_memory=80 * MIB)], budget_mib=1024)
+        with pytest.raises(NeverFits) as caught:
+            await load(h.scheduler, "m")
+        assert caught.value.status == 507
+        assert "max_memory" in caught.value.message
+        assert h.state("m") is State.COLD
+        assert len(h.built) == 1  # a quota verdict is not a load failure: no retry
+        assert h.loaded_bytes() == 0  # nothing left holding memory
+        assert h.used == 0
+        assert h.events.of(LoadFailedEvent) == []
+
+    run(body())
