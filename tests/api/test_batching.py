@@ -1,0 +1,82 @@
+"""The embedding batcher: concurrent calls share forward passes; a bad input fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from packserve.api.batching import Batchers
+from packserve.core.backend import Backend, Embeddings, LoadSpec
+from packserve.errors import InputTooLong
+
+
+class CountingEmbedder(Backend):
+    """Records each forward pass; the first pass blocks until released."""
+
+    def __post_init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.release = threading.Event()
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        self.release.wait(timeout=30)
+        if any(t == "bad" for t in texts):
+            raise InputTooLong("input 'bad' is too long", param="input")
+        self.calls.append(list(texts))
+        return Embeddings(vectors=np.array([[float(len(t))] for t in texts], dtype=np.float32),
+                          tokens=[len(t) for t in texts])
+
+
+def backend(max_batch: int = 64) -> CountingEmbedder:
+    return CountingEmbedder(LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu",
+                                     context_length=0, max_batch=max_batch))
+
+
+def test_requests_arriving_during_a_pass_share_the_next_pass() -> None:
+    async def run() -> tuple[CountingEmbedder, list[Embeddings]]:
+        b = backend()
+        batcher = Batchers().for_backend(b)
+        first = asyncio.create_task(batcher.embed(b, ["a"]))
+        await asyncio.sleep(0)  # let the first pass start and block in its thread
+        rest = [asyncio.create_task(batcher.embed(b, ["x" * i])) for i in range(2, 12)]
+        await asyncio.sleep(0)
+        b.release.set()
+        return b, await asyncio.wait_for(asyncio.gather(first, *rest), 30)
+
+    b, results = asyncio.run(run())
+    assert [len(c) for c in b.calls] == [1, 10]  # ten requests, one forward pass
+    for i, out in enumerate(results[1:], start=2):
+        assert out.vectors.tolist() == [[float(i)]] and out.tokens == [i]
+
+
+def test_max_batch_splits_passes() -> None:
+    async def run() -> CountingEmbedder:
+        b = backend(max_batch=4)
+        b.release.set()
+        batcher = Batchers().for_backend(b)
+        await asyncio.wait_for(asyncio.gather(*(batcher.embed(b, ["t", "t"]) for _ in range(5))),
+                               30)
+        return b
+
+    b = asyncio.run(run())
+    assert all(len(c) <= 4 for c in b.calls) and sum(len(c) for c in b.calls) == 10
+
+
+def test_a_bad_input_fails_only_its_own_request() -> None:
+    async def run() -> list[Embeddings | BaseException]:
+        b = backend()
+        batcher = Batchers().for_backend(b)
+        first = asyncio.create_task(batcher.embed(b, ["warm"]))
+        await asyncio.sleep(0)
+        others = [asyncio.create_task(batcher.embed(b, [t])) for t in ("ok1", "bad", "ok2")]
+        await asyncio.sleep(0)
+        b.release.set()
+        return list(await asyncio.wait_for(
+            asyncio.gather(first, *others, return_exceptions=True), 30))
+
+    results = asyncio.run(run())
+    assert isinstance(results[2], InputTooLong)
+    assert all(isinstance(r, Embeddings) for i, r in enumerate(results) if i != 2)
