@@ -7,7 +7,9 @@ The footprint estimator (and later the planner) is arithmetic over these facts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,31 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
     context_length: int  # what the model was trained for
+
+
+def read_facts_cached(path: Path, cache_file: Path) -> ModelFacts:
+    """`read_facts`, remembered in `cache_file` by path, size and mtime.
+
+    The gguf reader parses every metadata array (Gemma's 262k-token vocabulary takes ~10 s on
+    a 2-core machine), so restarts reuse what an earlier start read.
+    """
+    stat = path.stat()
+    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    try:
+        cache: dict[str, dict[str, object]] = json.loads(cache_file.read_text("utf-8"))
+    except (OSError, ValueError):
+        cache = {}
+    row = cache.get(str(path))
+    if row is not None and row.get("stamp") == stamp:
+        fields = {k: v for k, v in row.items() if k != "stamp"}
+        return ModelFacts(**{**fields, "path": path})  # type: ignore[arg-type]
+    facts = read_facts(path)
+    cache[str(path)] = {**dataclasses.asdict(facts), "path": str(path), "stamp": stamp}
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), "utf-8")
+    os.replace(tmp, cache_file)
+    return facts
 
 
 def read_facts(path: Path) -> ModelFacts:

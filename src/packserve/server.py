@@ -13,7 +13,7 @@ from packserve.core.footprint import estimate
 from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
 from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Scheduler
 from packserve.errors import ConfigError
-from packserve.modelfiles import read_facts
+from packserve.modelfiles import ModelFacts, read_facts_cached
 from packserve.sources import resolve_source
 
 log = logging.getLogger("packserve.server")
@@ -32,6 +32,7 @@ def build_entries(config: Config) -> list[Entry]:
     entries = []
     base = Path(config.base_dir)
     models_dir = config.data_path / "models"
+    facts_by_path: dict[Path, ModelFacts] = {}
     for i, spec in enumerate(config.models):
         where = f"models[{i}] ({spec.name})"
         device = resolve_device(spec.device)
@@ -44,7 +45,9 @@ def build_entries(config: Config) -> list[Entry]:
             continue
         try:
             path = resolve_source(spec.source, base_dir=base, models_dir=models_dir)
-            facts = read_facts(path)
+            facts = facts_by_path.get(path) or read_facts_cached(
+                path, config.data_path / "model_facts.json")
+            facts_by_path[path] = facts
         except ConfigError as exc:
             raise ConfigError(f"{where}.source: {exc.message}") from exc
         if spec.backend == "llama-cpp":
