@@ -443,7 +443,8 @@ class Scheduler:
 
         backend, measured = await asyncio.to_thread(build)
         seconds = self._clock() - t0
-        self._store.put(res.load, measured)
+        # Off the loop: the store sizes model directories and writes a file.
+        await asyncio.to_thread(self._store.put, res.load, measured)
         res.measured = measured
         cap = self._memory_cap(res)
         if cap is not None and measured > cap:
