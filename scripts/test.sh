@@ -3,6 +3,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# The status-page test drives a real headless Chromium: Debian's package, not a download.
+if ! command -v chromium >/dev/null 2>&1; then
+  echo "packserve test: installing Debian's chromium for the status-page test" >&2
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get install -y -q chromium >/dev/null \
+    || { $sudo apt-get update -q && $sudo apt-get install -y -q chromium >/dev/null; }
+fi
 .venv/bin/ruff check src tests
 .venv/bin/mypy
 .venv/bin/python -m pytest "$@"

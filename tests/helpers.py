@@ -18,7 +18,8 @@ from packserve.api.app import create_app
 from packserve.config import Config, load_config
 from packserve.core.events import Event
 from packserve.core.scheduler import Scheduler
-from packserve.server import build_scheduler
+from packserve.metrics.telemetry import Telemetry
+from packserve.server import build_scheduler, build_telemetry
 
 
 def free_port() -> int:
@@ -35,6 +36,7 @@ class Running:
     scheduler: Scheduler
     loop: asyncio.AbstractEventLoop
     events: list[Event] = field(default_factory=list)
+    telemetry: Telemetry | None = None
 
     def client(self, timeout: float = 120.0) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=timeout)
@@ -62,10 +64,12 @@ def serve(config: Config, **scheduler_kwargs: object) -> Iterator[Running]:
         asyncio.set_event_loop(loop)
         events: list[Event] = []
         scheduler = build_scheduler(config, sinks=(events.append,), **scheduler_kwargs)  # type: ignore[arg-type]
-        app = create_app(scheduler, max_request_bytes=config.server.max_request_bytes)
+        telemetry = build_telemetry(config, scheduler)
+        app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="on"))
-        box.update(scheduler=scheduler, server=server, loop=loop, events=events)
+        box.update(scheduler=scheduler, server=server, loop=loop, events=events,
+                   telemetry=telemetry)
         ready.set()
         loop.run_until_complete(server.serve())
         loop.close()
@@ -81,7 +85,8 @@ def serve(config: Config, **scheduler_kwargs: object) -> Iterator[Running]:
             raise RuntimeError("packserve did not start")
         time.sleep(0.05)
     running = Running(url=f"http://127.0.0.1:{port}", scheduler=box["scheduler"],  # type: ignore[arg-type]
-                      loop=box["loop"], events=box["events"])  # type: ignore[arg-type]
+                      loop=box["loop"], events=box["events"],  # type: ignore[arg-type]
+                      telemetry=box["telemetry"])  # type: ignore[arg-type]
     try:
         yield running
     finally:

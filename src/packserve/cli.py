@@ -48,6 +48,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # Residency events are one JSON object per line, on stderr, nothing around them.
+    events = logging.getLogger("packserve.events")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    events.addHandler(handler)
+    events.propagate = False
     return asyncio.run(_run_server(config))
 
 
@@ -56,7 +62,7 @@ async def _run_server(config: object) -> int:
 
     from packserve.api.app import create_app
     from packserve.config import Config
-    from packserve.server import build_scheduler
+    from packserve.server import build_scheduler, build_telemetry
 
     assert isinstance(config, Config)
     try:
@@ -64,7 +70,8 @@ async def _run_server(config: object) -> int:
     except ConfigError as exc:
         print(f"packserve: {exc.message}", file=sys.stderr)
         return 2
-    app = create_app(scheduler, max_request_bytes=config.server.max_request_bytes)
+    app = create_app(scheduler, build_telemetry(config, scheduler),
+                     max_request_bytes=config.server.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
                                            log_level=config.server.log_level))
     await server.serve()
@@ -72,24 +79,32 @@ async def _run_server(config: object) -> int:
 
 
 def _ps(url: str) -> int:
+    base = url.rstrip("/")
     try:
-        data = httpx.get(f"{url.rstrip('/')}/v1/residency", timeout=10).json()
+        data = httpx.get(f"{base}/v1/residency", timeout=10).json()
+        summary = httpx.get(f"{base}/v1/metrics/summary", timeout=10).json()
     except httpx.HTTPError as exc:
         print(f"packserve ps: cannot reach {url}: {exc}", file=sys.stderr)
         return 1
-    console = Console(width=None if sys.stdout.isatty() else 180)
-    for d in data["devices"]:
-        console.print(f"[bold]{d['name']}[/]: {_mib(d['used_bytes'])} used of "
-                      f"{_mib(d['budget_bytes'])} budget ({_mib(d['headroom_bytes'])} headroom)")
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    for d in summary["devices"]:
+        console.print(
+            f"[bold]{d['name']}[/]: {_mib(d['used_bytes'])} used of {_mib(d['budget_bytes'])} "
+            f"budget; headroom {_mib(d['headroom_bytes'])} now, "
+            f"{_mib(d['headroom_min_bytes'])} lowest in {summary['window_seconds']:.0f}s")
+    p95: dict[str, float] = {}
+    for row in summary["latency"]["by_model"]:
+        p95[row["model"]] = max(p95.get(row["model"], 0.0), row["p95_seconds"])
     table = Table("MODEL", "TASKS", "STATE", "DEVICE", "PIN", "ESTIMATED", "MEASURED",
-                  "IN FLIGHT", "QUEUED", "LAST USED", "LOAD S", "ERROR")
+                  "IN FLIGHT", "QUEUED", "P95", "LAST USED", "LOAD S", "ERROR")
     now = time.time()
     for m in data["models"]:
         last = f"{now - m['last_used']:.0f}s ago" if m["last_used"] else "-"
         table.add_row(m["name"], ",".join(m["tasks"]), m["state"], m["device"],
                       "yes" if m["pinned"] else "", _mib(m["bytes_estimated"]),
                       _mib(m["bytes_measured"]) if m["bytes_measured"] else "-",
-                      str(m["in_flight"]), str(m["queued"]), last,
+                      str(m["in_flight"]), str(m["queued"]),
+                      f"{p95[m['name']] * 1000:.0f} ms" if m["name"] in p95 else "-", last,
                       f"{m['load_seconds']:.2f}" if m["load_seconds"] else "-",
                       m["error"] or "")
     console.print(table)

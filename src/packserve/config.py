@@ -94,6 +94,8 @@ class ServerConfig(_Strict):
     failure_cooldown_s: float = Field(default=30.0, ge=0)
     max_request_bytes: Bytes = 4 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    currency: str = Field(default="EUR", min_length=1, max_length=8)
+    metrics_window_s: float = Field(default=300.0, gt=0)
 
 
 class DeviceConfig(_Strict):
@@ -101,6 +103,8 @@ class DeviceConfig(_Strict):
 
     memory_budget: Budget = "auto"
     headroom: Bytes = 256 * 1024 * 1024
+    # A placeholder so cost figures are not zero out of the box: set your device's real price.
+    price_per_hour: float = Field(default=1.0, ge=0)
 
 
 class ModelSpec(_Strict):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from packserve.config import AUTO_BUDGET_FRACTION, Config
+from packserve.config import AUTO_BUDGET_FRACTION, Config, DeviceConfig
 from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.events import EventSink, log_event
 from packserve.core.footprint import estimate
@@ -15,6 +16,9 @@ from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Schedu
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
 from packserve.sources import resolve_source
+
+if TYPE_CHECKING:
+    from packserve.metrics.telemetry import Telemetry
 
 log = logging.getLogger("packserve.server")
 
@@ -81,6 +85,18 @@ def device_budgets(config: Config, devices: set[str], probe: MemoryProbe) -> lis
                               f"than memory_budget ({budget} bytes)")
         budgets.append(DeviceBudget(name=name, budget_bytes=budget, headroom_bytes=dev.headroom))
     return budgets
+
+
+def build_telemetry(config: Config, scheduler: Scheduler) -> Telemetry:
+    """Operator figures for `scheduler`, priced from the config; registers itself as a sink."""
+    from packserve.metrics.telemetry import Telemetry
+
+    prices = {d.name: config.device_config(d.name).price_per_hour for d in scheduler.devices()}
+    telemetry = Telemetry(scheduler, prices=prices, default_price=DeviceConfig().price_per_hour,
+                          currency=config.server.currency,
+                          window_s=config.server.metrics_window_s)
+    scheduler.add_sink(telemetry.on_event)
+    return telemetry
 
 
 def build_scheduler(

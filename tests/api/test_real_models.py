@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,8 +21,12 @@ EMBEDDER, RERANKER = "all-minilm-l6-v2", "minilm-rerank"
 CHAT, EXTRACT, COMPLETE = "smollm2-135m-instruct", "smollm2-extract", "gemma-3-270m"
 
 
-def sdk(server: Running) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120)
+@pytest.fixture(scope="module")
+def sdk(default_server: Running) -> Iterator[openai.OpenAI]:
+    """The official openai client, pointed at packserve; closed after the module."""
+    with openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="unused",
+                       timeout=120) as client:
+        yield client
 
 
 def test_models_lists_the_default_catalog(default_server: Running) -> None:
@@ -34,9 +39,9 @@ def test_models_lists_the_default_catalog(default_server: Running) -> None:
     assert all(m["state"] in {"cold", "hot", "loading"} for m in data["data"])
 
 
-def test_related_sentences_are_closer_than_unrelated(default_server: Running) -> None:
+def test_related_sentences_are_closer_than_unrelated(sdk: openai.OpenAI) -> None:
     # The openai SDK asks for base64 by default: this exercises that path.
-    out = sdk(default_server).embeddings.create(model=EMBEDDER, input=[
+    out = sdk.embeddings.create(model=EMBEDDER, input=[
         "The cat sits on the mat.", "A kitten is resting on a rug.",
         "Quarterly revenue grew by eight percent."])
     vecs = np.array([d.embedding for d in out.data])
@@ -96,8 +101,8 @@ def test_embedder_and_reranker_share_one_load(default_server: Running) -> None:
     assert used == sum(b for _, b in distinct)
 
 
-def test_chat_answers(default_server: Running) -> None:
-    out = sdk(default_server).chat.completions.create(
+def test_chat_answers(sdk: openai.OpenAI) -> None:
+    out = sdk.chat.completions.create(
         model=CHAT, messages=[{"role": "user", "content": "What is the capital of France?"}],
         max_tokens=24, temperature=0)
     assert out.choices[0].message.content
@@ -106,8 +111,8 @@ def test_chat_answers(default_server: Running) -> None:
     assert 0 < out.usage.completion_tokens <= 24
 
 
-def test_chat_streams_several_chunks(default_server: Running) -> None:
-    stream = sdk(default_server).chat.completions.create(
+def test_chat_streams_several_chunks(sdk: openai.OpenAI) -> None:
+    stream = sdk.chat.completions.create(
         model=CHAT, messages=[{"role": "user", "content": "Write one sentence about the sea."}],
         max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True})
     pieces, finish, usage = [], None, None
@@ -181,15 +186,15 @@ def test_json_object_mode_returns_an_object(default_server: Running) -> None:
         assert choice["finish_reason"] == "length"
 
 
-def test_completion_continues_the_prompt(default_server: Running) -> None:
-    out = sdk(default_server).completions.create(
+def test_completion_continues_the_prompt(sdk: openai.OpenAI) -> None:
+    out = sdk.completions.create(
         model=COMPLETE, prompt="Monday, Tuesday, Wednesday,", max_tokens=6, temperature=0)
     assert "Thursday" in out.choices[0].text
     assert out.usage is not None and out.usage.completion_tokens <= 6
 
 
-def test_completion_streams(default_server: Running) -> None:
-    stream = sdk(default_server).completions.create(
+def test_completion_streams(sdk: openai.OpenAI) -> None:
+    stream = sdk.completions.create(
         model=COMPLETE, prompt="1, 2, 3, 4, 5,", max_tokens=8, temperature=0, stream=True)
     text = "".join(c.choices[0].text for c in stream if c.choices)
     assert text.strip().startswith("6")
@@ -253,4 +258,5 @@ def test_ps_prints_the_residency_table(default_server: Running,
     out = capsys.readouterr().out
     for name in (EMBEDDER, CHAT, COMPLETE):
         assert name in out
-    assert "budget" in out
+    assert "budget" in out and "headroom" in out and "P95" in out
+    assert " ms " in out  # a p95 figure for the models that served requests

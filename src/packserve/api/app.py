@@ -15,12 +15,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
+from importlib import resources
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,9 +37,12 @@ from packserve.core.backend import Backend, Generated, GenerationParams, OnText
 from packserve.core.backend import Message as ChatTurn
 from packserve.core.scheduler import Scheduler
 from packserve.errors import InvalidRequest, ModelOutputInvalid, PackserveError
+from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
 
 log = logging.getLogger("packserve.api")
+
+_STATUS_PAGE = (resources.files("packserve.api") / "status.html").read_text("utf-8")
 
 Run = Callable[[Backend, OnText | None], Generated]
 
@@ -47,22 +52,45 @@ def error_body(message: str, type_: str, param: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
-               start_scheduler: bool = True) -> FastAPI:
-    """The ASGI app around `scheduler`. Its lifespan loads the pins and unloads at shutdown."""
+def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes: int = 4 << 20,
+               start_scheduler: bool = True, sample_interval_s: float = 1.0) -> FastAPI:
+    """The ASGI app around `scheduler`. Its lifespan loads the pins, samples headroom every
+    `sample_interval_s`, and unloads the models at shutdown."""
+
+    async def sample_forever() -> None:
+        while True:
+            telemetry.sample()
+            await asyncio.sleep(sample_interval_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sampler = asyncio.create_task(sample_forever())
         if start_scheduler:
             await scheduler.start()
         try:
             yield
         finally:
+            sampler.cancel()
             await scheduler.close()
 
     app = FastAPI(title="packserve", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(CountResponses, telemetry=telemetry)
     batchers = Batchers()
+
+    # ------------------------------------------------------------ operator figures
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def status_page() -> HTMLResponse:
+        return HTMLResponse(_STATUS_PAGE)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(telemetry.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/metrics/summary")
+    async def metrics_summary() -> dict[str, Any]:
+        return telemetry.summary()
 
     # ------------------------------------------------------------ errors
 
@@ -126,6 +154,7 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
         texts = body.texts
         async with scheduler.acquire(body.model, Task.EMBED) as lease:
             out = await batchers.for_backend(lease.backend).embed(lease.backend, texts)
+            lease.count_tokens(sum(out.tokens))
         data = []
         for i, vec in enumerate(out.vectors):
             value: Any = (base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
@@ -139,6 +168,7 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
         docs = body.texts
         async with scheduler.acquire(body.model, Task.RERANK) as lease:
             out = await asyncio.to_thread(lease.backend.rerank, body.query, docs)
+            lease.count_tokens(out.tokens)
         order = sorted(range(len(docs)), key=lambda i: out.scores[i], reverse=True)
         results = []
         for i in order[: body.top_n or len(docs)]:
@@ -186,6 +216,7 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
                                  include_usage)
         async with scheduler.acquire(body.model, Task.CHAT) as lease:
             out = await asyncio.to_thread(run, lease.backend, None)
+            lease.count_tokens(out.prompt_tokens, out.completion_tokens)
         check(out)
         return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
@@ -217,6 +248,7 @@ def create_app(scheduler: Scheduler, *, max_request_bytes: int = 4 << 20,
         async with scheduler.acquire(body.model, Task.COMPLETE) as lease:
             for i, prompt in enumerate(prompts):
                 out = await asyncio.to_thread(lease.backend.complete, prompt, params, None)
+                lease.count_tokens(out.prompt_tokens, out.completion_tokens)
                 choices.append({"index": i, "text": out.text, "finish_reason": out.finish_reason,
                                 "logprobs": None})
                 prompt_tokens += out.prompt_tokens
@@ -394,6 +426,7 @@ async def _stream_events(
                 yield _sse(chunk(piece, None))
             try:
                 out = await worker
+                lease.count_tokens(out.prompt_tokens, out.completion_tokens)
                 if check is not None:
                     check(out)
             except PackserveError as exc:
@@ -415,6 +448,32 @@ async def _stream_events(
             # The client may have gone: finish the thread before the lease lets the model go.
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await worker
+
+
+class CountResponses:
+    """Count every HTTP response by route template and status code."""
+
+    def __init__(self, app: ASGIApp, telemetry: Telemetry) -> None:
+        self.app = app
+        self.telemetry = telemetry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            self.telemetry.count_response(getattr(route, "path", "unmatched"), status)
 
 
 class BodyLimit:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ class LoadEvent:
     bytes_measured: int
     seconds: float
     reason: str
+    tier_from: str = "cold"  # where the weights came from (GPU tiers will add "warm")
     kind: str = "load"
 
 
@@ -25,6 +27,7 @@ class EvictEvent:
     model: str
     device: str
     bytes: int
+    seconds: float
     reason: str
     kind: str = "evict"
 
@@ -33,6 +36,7 @@ class EvictEvent:
 class LoadFailedEvent:
     model: str
     device: str
+    bytes: int  # what the load was admitted for
     seconds: float
     reason: str
     will_retry: bool
@@ -40,17 +44,34 @@ class LoadFailedEvent:
 
 
 @dataclass(frozen=True)
-class RequestEvent:
+class RequestStartEvent:
+    """A request got its lease: the model is hot and the request starts using the device."""
+
     model: str
     task: str
+    device: str
+    kind: str = "request_start"
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """A request ended (or was refused by its quota, with zero durations)."""
+
+    model: str
+    task: str
+    device: str
     queue_seconds: float
     load_seconds: float
     inference_seconds: float
+    status: int  # the HTTP status it maps to: 200, or the error's status
     outcome: str  # "ok" or the error class name
+    prompt_tokens: int = 0  # input tokens for embed and rerank
+    completion_tokens: int = 0
+    started: bool = False  # a RequestStartEvent was emitted for it
     kind: str = "request"
 
 
-Event = LoadEvent | EvictEvent | LoadFailedEvent | RequestEvent
+Event = LoadEvent | EvictEvent | LoadFailedEvent | RequestStartEvent | RequestEvent
 EventSink = Callable[[Event], None]
 
 _event_log = logging.getLogger("packserve.events")
@@ -58,6 +79,7 @@ _event_log = logging.getLogger("packserve.events")
 
 def log_event(event: Event) -> None:
     """The default sink: one JSON line per residency event (requests are too many to log)."""
-    if isinstance(event, RequestEvent):
+    if isinstance(event, RequestEvent | RequestStartEvent):
         return
-    _event_log.info(json.dumps(dataclasses.asdict(event), sort_keys=True))
+    _event_log.info(json.dumps({"ts": round(time.time(), 3), **dataclasses.asdict(event)},
+                               sort_keys=True))

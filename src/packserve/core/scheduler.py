@@ -41,6 +41,7 @@ from packserve.core.events import (
     LoadEvent,
     LoadFailedEvent,
     RequestEvent,
+    RequestStartEvent,
     log_event,
 )
 from packserve.core.memory import MemoryProbe
@@ -59,6 +60,7 @@ from packserve.errors import (
     ModelNotFound,
     ModelUnavailable,
     NeverFits,
+    PackserveError,
     PinsDoNotFit,
     QueueFull,
     TaskNotSupported,
@@ -88,13 +90,23 @@ class Entry:
     bytes_estimated: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class Lease:
-    """What a request holds while it uses a model. The backend is valid until the lease ends."""
+    """What a request holds while it uses a model. The backend is valid until the lease ends.
+
+    The handler records the tokens it reports to the client with `count_tokens`; they travel
+    in the request's RequestEvent.
+    """
 
     model: str
     task: Task
     backend: Backend
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def count_tokens(self, prompt: int, completion: int = 0) -> None:
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
 
 
 @dataclass
@@ -282,20 +294,31 @@ class Scheduler:
             raise TaskNotSupported(
                 f"model {name!r} does not do {task.value}; it does "
                 f"{', '.join(t.value for t in model.spec.tasks)}", param="model")
-        t_enter = self._clock()
-        await self._take_slot(model)
         res = model.resident
+        device = res.load.device
+        t_enter = self._clock()
+        try:
+            await self._take_slot(model)
+        except QueueFull as exc:
+            self._emit(RequestEvent(model=name, task=task.value, device=device, queue_seconds=0.0,
+                                    load_seconds=0.0, inference_seconds=0.0, status=exc.status,
+                                    outcome=type(exc).__name__))
+            raise
         res.leases += 1
         t_slot = self._clock()
         t_ready = t_slot
-        outcome = "ok"
+        status, outcome = 200, "ok"
+        lease: Lease | None = None
         try:
             await self._ensure_hot(res)
             t_ready = self._clock()
             assert res.backend is not None
-            yield Lease(model=name, task=task, backend=res.backend)
+            lease = Lease(model=name, task=task, backend=res.backend)
+            self._emit(RequestStartEvent(model=name, task=task.value, device=device))
+            yield lease
         except BaseException as exc:
             outcome = type(exc).__name__
+            status = exc.status if isinstance(exc, PackserveError) else 500
             raise
         finally:
             t_done = self._clock()
@@ -307,9 +330,12 @@ class Scheduler:
             if res.leases == 0:
                 self._signal_memory()
             self._emit(RequestEvent(
-                model=name, task=task.value, queue_seconds=t_slot - t_enter,
+                model=name, task=task.value, device=device, queue_seconds=t_slot - t_enter,
                 load_seconds=t_ready - t_slot, inference_seconds=t_done - t_ready,
-                outcome=outcome))
+                status=status, outcome=outcome,
+                prompt_tokens=lease.prompt_tokens if lease else 0,
+                completion_tokens=lease.completion_tokens if lease else 0,
+                started=lease is not None))
 
     async def _take_slot(self, model: _Model) -> None:
         decision = admit_request(model.running, len(model.waiters), model.spec.concurrency,
@@ -410,8 +436,8 @@ class Scheduler:
                     reason = f"{type(exc).__name__}: {exc}"
                     retry = attempt == 1
                     self._emit(LoadFailedEvent(model=res.label, device=device.name,
-                                               seconds=self._clock() - t0, reason=reason,
-                                               will_retry=retry))
+                                               bytes=res.bytes, seconds=self._clock() - t0,
+                                               reason=reason, will_retry=retry))
                     if not retry:
                         res.state, res.error = State.FAILED, reason
                         res.failed_until = self._clock() + self._cooldown_s
@@ -466,6 +492,7 @@ class Scheduler:
         assert res.leases == 0 and res.state is State.HOT and res.backend is not None
         backend, res.backend = res.backend, None
         res.settled = asyncio.Event()  # new requests wait instead of using a dying backend
+        t0 = self._clock()
         try:
             await asyncio.to_thread(backend.unload)
             del backend
@@ -475,7 +502,7 @@ class Scheduler:
             res.settled.set()
             res.settled = None
         self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=res.bytes,
-                              reason=reason))
+                              seconds=self._clock() - t0, reason=reason))
         self._signal_memory()
 
     def _signal_memory(self) -> None:

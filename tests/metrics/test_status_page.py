@@ -1,0 +1,96 @@
+"""The live status page at `/`, in a real headless Chromium, against a real model.
+
+Needs Debian's chromium (scripts/test.sh installs it); the page has no external assets.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, sync_playwright
+
+from tests.conftest import default_config
+from tests.helpers import Running, serve
+
+pytestmark = pytest.mark.real
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def page_server(models_dir: Path) -> Iterator[Running]:
+    config = default_config(models_dir, only_models=["all-minilm-l6-v2", "minilm-rerank"])
+    with serve(config) as running:
+        yield running
+
+
+@pytest.fixture()
+def page(page_server: Running) -> Iterator[Page]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed; scripts/test.sh installs Debian's package")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            tab = browser.new_page()
+            tab.goto(page_server.url + "/")
+            yield tab
+        finally:
+            browser.close()
+
+
+def wait_for_poll(page: Page) -> int:
+    """Wait for the page's next refresh to finish; return the poll count."""
+    before = int(page.get_attribute("[data-testid=updated]", "data-polls") or 0)
+    page.wait_for_function(
+        f"Number(document.querySelector('[data-testid=updated]').dataset.polls || 0) > {before}",
+        timeout=15_000)
+    return before + 1
+
+
+def test_page_shows_what_the_api_reports_and_follows_changes(page: Page,
+                                                              page_server: Running) -> None:
+    with page_server.client() as c:
+        assert c.post("/v1/residency/all-minilm-l6-v2/load").json()["state"] == "hot"
+        assert c.post("/v1/residency/all-minilm-l6-v2/unload").json()["state"] == "cold"
+        wait_for_poll(page)
+        residency = c.get("/v1/residency").json()
+        device = residency["devices"][0]
+        # Every model with the state the API gives; the budget the API gives.
+        for m in residency["models"]:
+            assert page.text_content(f"[data-testid='state-{m['name']}']") == m["state"]
+        assert int(page.get_attribute(f"[data-testid='budget-{device['name']}']",
+                                      "data-bytes") or -1) == device["budget_bytes"]
+        assert page.locator("[data-testid=budget-line]").count() == 1
+
+        # A request loads the model and is timed: the page follows without a reload.
+        for _ in range(3):
+            c.post("/v1/embeddings", json={"model": "all-minilm-l6-v2",
+                                           "input": "status page"}).raise_for_status()
+        page.wait_for_function(
+            "document.querySelector(\"[data-testid='state-all-minilm-l6-v2']\")"
+            ".textContent === 'hot'", timeout=15_000)
+        wait_for_poll(page)
+        residency = c.get("/v1/residency").json()
+        summary = c.get("/v1/metrics/summary").json()
+
+    row = next(m for m in residency["models"] if m["name"] == "all-minilm-l6-v2")
+    segment = page.locator("rect[data-model='all-minilm-l6-v2+minilm-rerank']")
+    assert segment.count() == 1  # shared weights drawn once
+    assert int(segment.get_attribute("data-bytes") or -1) == row["bytes_measured"]
+    assert segment.get_attribute("data-tier") == "hot"
+    used = page.get_attribute(f"[data-testid='used-{device['name']}']", "data-bytes")
+    assert int(used or -1) == summary["devices"][0]["used_bytes"]
+    embed = next(t for t in summary["latency"]["by_task"] if t["task"] == "embed")
+    assert page.text_content("[data-testid=count-embed]") == str(embed["count"])
+    assert float(page.get_attribute("[data-testid=p95-embed]", "data-seconds") or -1) \
+        == pytest.approx(embed["p95_seconds"])
+    cost = next(m for m in summary["cost"]["models"] if m["model"] == "all-minilm-l6-v2")
+    assert page.text_content("[data-testid='tokens-all-minilm-l6-v2']") == str(cost["tokens"])
+    kinds = page.eval_on_selector_all("[data-testid=events] li",
+                                      "items => items.map(i => i.dataset.kind)")
+    assert "load" in kinds and "evict" in kinds

@@ -1,0 +1,195 @@
+"""Known traffic gives known figures, through the real HTTP app (fake and real models)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from packserve.config import ModelSpec
+from packserve.core.backend import LoadSpec
+from packserve.core.events import RequestEvent
+from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
+from packserve.metrics.telemetry import Telemetry
+from tests.helpers import Running, config_from, serve
+
+MIB = 1 << 20
+
+
+def scrape(client: httpx.Client) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def value(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+          **labels: str) -> float:
+    return metrics.get((name, frozenset(labels.items())), 0.0)
+
+
+FAKE = """
+[devices.cpu]
+memory_budget = "150MiB"
+headroom = 0
+price_per_hour = 3.6
+
+[[models]]
+name = "emb"
+tasks = ["embed", "rerank"]
+backend = "fake"
+source = "emb/fake:100MiB"
+device = "cpu"
+
+[[models]]
+name = "gen"
+tasks = ["chat", "complete"]
+backend = "fake"
+source = "gen/fake:100MiB"
+device = "cpu"
+"""
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    with serve(config_from(tmp_path_factory.mktemp("fake"), FAKE)) as running:
+        yield running
+
+
+def test_n_requests_give_a_histogram_count_of_n(fake: Running) -> None:
+    with fake.client() as c:
+        before = scrape(c)
+        for i in range(7):
+            r = c.post("/v1/embeddings", json={"model": "emb", "input": f"text {i}"})
+            assert r.status_code == 200
+        assert c.post("/v1/embeddings", json={"model": "nope", "input": "x"}).status_code == 404
+        after = scrape(c)
+    for phase in ("queue", "load", "inference", "total"):
+        key = dict(model="emb", task="embed", phase=phase)
+        assert (value(after, "packserve_request_duration_seconds_count", **key)
+                - value(before, "packserve_request_duration_seconds_count", **key)) == 7
+    assert (value(after, "packserve_requests_total", model="emb", task="embed", code="200")
+            - value(before, "packserve_requests_total", model="emb", task="embed", code="200")
+            ) == 7
+    # Refused before reaching a model: only the HTTP counter sees it.
+    assert value(after, "packserve_http_responses_total", route="/v1/embeddings",
+                 code="404") >= 1
+
+
+def test_tokens_match_the_usage_returned_to_clients(fake: Running) -> None:
+    with fake.client() as c:
+        before = scrape(c)
+        e = c.post("/v1/embeddings", json={"model": "emb", "input": ["a b c", "d e"]}).json()
+        r = c.post("/v1/rerank", json={"model": "emb", "query": "a b",
+                                       "documents": ["a", "b c d"]}).json()
+        g = c.post("/v1/completions", json={"model": "gen", "prompt": "one two three four",
+                                            "max_tokens": 2}).json()
+        after = scrape(c)
+
+    def delta(**labels: str) -> float:
+        return (value(after, "packserve_tokens_total", **labels)
+                - value(before, "packserve_tokens_total", **labels))
+
+    assert delta(model="emb", direction="input") == (e["usage"]["prompt_tokens"]
+                                                     + r["usage"]["total_tokens"])
+    assert delta(model="gen", direction="prompt") == g["usage"]["prompt_tokens"] == 4
+    assert delta(model="gen", direction="completion") == g["usage"]["completion_tokens"] == 2
+
+
+def test_forced_eviction_moves_the_counter_and_the_headroom(fake: Running) -> None:
+    with fake.client() as c:
+        c.post("/v1/residency/gen/unload")
+        c.post("/v1/embeddings", json={"model": "emb", "input": "load me"}).raise_for_status()
+        before = scrape(c)
+        measured = next(m["bytes_measured"] for m in c.get("/v1/residency").json()["models"]
+                        if m["name"] == "emb")
+        assert c.post("/v1/residency/emb/unload").json()["state"] == "cold"
+        after = scrape(c)
+        summary = c.get("/v1/metrics/summary").json()
+    evicts = ("packserve_model_events_total", dict(model="emb", event="evict"))
+    assert value(after, evicts[0], **evicts[1]) - value(before, evicts[0], **evicts[1]) == 1
+    headroom = ("packserve_device_headroom_bytes", dict(device="cpu"))
+    assert (value(after, headroom[0], **headroom[1]) - value(before, headroom[0], **headroom[1])
+            ) == measured
+    # The lowest headroom of the window still remembers the model being there.
+    low = value(after, "packserve_device_headroom_min_bytes", device="cpu")
+    assert low <= value(before, headroom[0], **headroom[1])
+    assert summary["devices"][0]["headroom_min_bytes"] == low
+    assert summary["events"][0]["kind"] == "evict" and summary["events"][0]["model"] == "emb"
+
+
+def test_eviction_for_room_and_load_seconds(fake: Running) -> None:
+    with fake.client() as c:
+        c.post("/v1/embeddings", json={"model": "emb", "input": "x"}).raise_for_status()
+        before = scrape(c)
+        c.post("/v1/completions", json={"model": "gen", "prompt": "hi"}).raise_for_status()
+        after = scrape(c)
+    assert (value(after, "packserve_model_events_total", model="emb", event="evict")
+            - value(before, "packserve_model_events_total", model="emb", event="evict")) == 1
+    assert (value(after, "packserve_model_load_seconds_count", model="gen", tier="cold")
+            - value(before, "packserve_model_load_seconds_count", model="gen", tier="cold")) == 1
+    assert value(after, "packserve_model_bytes", model="gen", tier="hot") == 100 * MIB
+    assert value(after, "packserve_device_budget_bytes", device="cpu") == 150 * MIB
+
+
+def test_cost_figures_are_exported_and_consistent(fake: Running) -> None:
+    with fake.client() as c:
+        c.post("/v1/completions", json={"model": "gen", "prompt": "a b c"}).raise_for_status()
+        metrics = scrape(c)
+        summary = c.get("/v1/metrics/summary").json()
+    assert summary["currency"] == "EUR"
+    gen = next(m for m in summary["cost"]["models"] if m["model"] == "gen")
+    assert gen["tokens"] > 0 and gen["device_seconds"] > 0
+    assert gen["cost"] == pytest.approx(3.6 / 3600 * gen["device_seconds"])
+    assert value(metrics, "packserve_model_cost_per_million_tokens", model="gen",
+                 currency="EUR") > 0
+    assert value(metrics, "packserve_mix_cost_per_million_tokens", currency="EUR") > 0
+
+
+def test_refused_requests_are_counted_but_not_timed(tmp_path: Path) -> None:
+    spec = ModelSpec(name="m", tasks=["embed"], backend="fake", source="fake:1MiB")
+    load = LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu", context_length=0)
+    scheduler = Scheduler([Entry(spec=spec, load=load, bytes_estimated=MIB)],
+                          [DeviceBudget("cpu", 10 * MIB, 0)], factory=lambda s: None,  # type: ignore[arg-type,return-value]
+                          probe=None, sinks=())  # type: ignore[arg-type]
+    t = Telemetry(scheduler, prices={"cpu": 1.0}, default_price=1.0, currency="EUR")
+    t.on_event(RequestEvent(model="m", task="embed", device="cpu", queue_seconds=0,
+                            load_seconds=0, inference_seconds=0, status=429,
+                            outcome="QueueFull"))
+    text = t.render().decode()
+    assert 'packserve_requests_total{code="429",model="m",task="embed"} 1.0' in text
+    assert "packserve_request_duration_seconds_count{" not in text
+
+
+@pytest.mark.real
+def test_real_model_tokens_match_usage(default_server: Running) -> None:
+    with default_server.client() as c:
+        before = scrape(c)
+        chat = c.post("/v1/chat/completions", json={
+            "model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello."}]}).json()
+        emb = c.post("/v1/embeddings", json={"model": "all-minilm-l6-v2",
+                                             "input": ["one sentence", "another one"]}).json()
+        streamed = []
+        with c.stream("POST", "/v1/completions", json={
+                "model": "gemma-3-270m", "prompt": "Once upon a time", "max_tokens": 6,
+                "stream": True, "stream_options": {"include_usage": True}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.append(json.loads(line[6:]))
+        after = scrape(c)
+    usage = next(e["usage"] for e in streamed if e.get("usage"))
+
+    def delta(model: str, direction: str) -> float:
+        return (value(after, "packserve_tokens_total", model=model, direction=direction)
+                - value(before, "packserve_tokens_total", model=model, direction=direction))
+
+    assert delta("smollm2-135m-instruct", "prompt") == chat["usage"]["prompt_tokens"]
+    assert delta("smollm2-135m-instruct", "completion") == chat["usage"]["completion_tokens"]
+    assert delta("all-minilm-l6-v2", "input") == emb["usage"]["prompt_tokens"]
+    assert delta("gemma-3-270m", "completion") == usage["completion_tokens"]
+    assert delta("gemma-3-270m", "prompt") == usage["prompt_tokens"]
