@@ -30,7 +30,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps = sub.add_parser("ps", help="print the residency table of a running server")
     ps.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
 
+    # `plan` and `audit` live in their own modules (packserve.planner.cli, packserve.audit).
+    from packserve import audit
+    from packserve.planner import cli as plan_cli
+
+    plan_cli.add_arguments(sub.add_parser("plan", help="size memory, GPUs and cost"))
+    audit.add_arguments(sub.add_parser("audit", help="who holds memory, duplicates, what fits"))
+
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_cli.run_plan(args)
+    if args.command == "audit":
+        return audit.run_audit(args)
     if args.command == "serve":
         return _serve(args)
     return _ps(args.url)

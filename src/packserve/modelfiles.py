@@ -33,6 +33,12 @@ class ModelFacts:
     hidden_size: int
     vocab_size: int
     context_length: int  # what the model was trained for
+    n_heads: int = 0  # attention (query) heads
+    ffn_size: int = 0  # feed-forward width
+    dtype: str = ""  # how the weights are stored: "F32", "Q4_K_M", "BF16", ... ("" unknown)
+
+
+_CACHE_VERSION = 2  # bump when ModelFacts gains fields, so older rows are read again
 
 
 def read_facts_cached(path: Path, cache_file: Path) -> ModelFacts:
@@ -42,7 +48,7 @@ def read_facts_cached(path: Path, cache_file: Path) -> ModelFacts:
     a 2-core machine), so restarts reuse what an earlier start read.
     """
     stat = path.stat()
-    stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    stamp = f"{_CACHE_VERSION}:{stat.st_size}:{stat.st_mtime_ns}"
     try:
         cache: dict[str, dict[str, object]] = json.loads(cache_file.read_text("utf-8"))
     except (OSError, ValueError):
@@ -93,6 +99,7 @@ def _gguf_facts(path: Path) -> ModelFacts:
     head_dim = field(f"{arch}.attention.key_length") or (hidden // n_heads if n_heads else 0)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = field(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else 0)
+    file_type = field("general.file_type", -1)
     return ModelFacts(
         path=path,
         format="gguf",
@@ -105,7 +112,18 @@ def _gguf_facts(path: Path) -> ModelFacts:
         hidden_size=hidden,
         vocab_size=vocab,
         context_length=field(f"{arch}.context_length"),
+        n_heads=n_heads,
+        ffn_size=field(f"{arch}.feed_forward_length"),
+        dtype=_GGUF_FILE_TYPES.get(file_type, ""),
     )
+
+
+# llama.cpp's `general.file_type` (enum llama_ftype) for the common cases.
+_GGUF_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 30: "IQ4_XS", 32: "BF16",
+}
 
 
 _DTYPE_BYTES = {
@@ -120,6 +138,7 @@ def _safetensors_facts(folder: Path) -> ModelFacts:
     if not files:
         raise ConfigError(f"{folder} holds no .safetensors file")
     weight_bytes = n_params = 0
+    dtypes: dict[str, int] = {}
     for file in files:
         with safe_open(str(file), framework="numpy") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -129,6 +148,7 @@ def _safetensors_facts(folder: Path) -> ModelFacts:
                     count *= int(dim)
                 n_params += count
                 weight_bytes += count * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+                dtypes[sl.get_dtype()] = dtypes.get(sl.get_dtype(), 0) + count
     cfg_path = folder / "config.json"
     cfg: dict[str, object] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.exists() else {}
 
@@ -150,4 +170,7 @@ def _safetensors_facts(folder: Path) -> ModelFacts:
         hidden_size=hidden,
         vocab_size=num("vocab_size"),
         context_length=num("max_position_embeddings"),
+        n_heads=heads,
+        ffn_size=num("intermediate_size"),
+        dtype=max(dtypes, key=lambda k: dtypes[k]) if dtypes else "",
     )

@@ -1,12 +1,15 @@
 """Estimate a model's memory footprint before loading it, from the facts in its own files.
 
-The scheduler admits a model by this estimate until it has measured the real figure.
-Assumptions (calibrated on CPU with llama-cpp-python 0.3.36 and sentence-transformers 6.2):
+The scheduler admits a model by this estimate until it has measured the real figure. The
+arithmetic lives in `packserve.planner.sizing`, shared with `packserve plan`:
 - llama.cpp: weights as stored (quantised bytes) + KV cache in f16
-  (2 x layers x kv_heads x head_dim x context x 2 bytes, one sequence) + compute and output
-  buffers, about 20 MiB plus 122 bytes per vocabulary entry at the default 512-token batch.
-- sentence-transformers / cross-encoder: weights as stored + 8 MiB for tokenizer and modules;
+  (2 x layers x kv_heads x head_dim x context x 2 bytes, one sequence) + 20 MiB plus 122 bytes
+  per vocabulary entry (vocabulary tables, output and touched compute buffers).
+- sentence-transformers / cross-encoder: weights as stored + 2 MiB for tokenizer and modules;
   activations are transient and live in the device's headroom.
+Calibrated on CPU with llama-cpp-python 0.3.36 and sentence-transformers 6.2 against what the
+scheduler measures (RSS growth from a trimmed heap); tests/test_footprint_real.py holds every
+default model to +-10%.
 """
 
 from __future__ import annotations
@@ -14,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from packserve.modelfiles import ModelFacts
+from packserve.planner import sizing
+from packserve.planner.sizing import Architecture, Breakdown, ModelShape
 
 MIB = 1 << 20
-LLAMA_FIXED_OVERHEAD = 20 * MIB
-LLAMA_BYTES_PER_VOCAB = 122
-ENCODER_OVERHEAD = 8 * MIB
-KV_BYTES_PER_ELEMENT = 2  # f16
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,33 @@ class Footprint:
         return self.weights + self.kv_cache + self.overhead
 
 
+def shape_of(facts: ModelFacts, name: str = "") -> ModelShape:
+    """The planner's view of a model read from its files (exact stored bytes)."""
+    heads = facts.hidden_size // facts.head_dim if facts.head_dim else 0
+    return ModelShape(
+        name=name or facts.path.name, n_params=facts.n_params, precision="file",
+        stored_bytes=facts.weight_bytes,
+        arch=Architecture(n_layers=facts.n_layers, hidden_size=facts.hidden_size,
+                          n_heads=facts.n_heads or heads, n_kv_heads=facts.n_kv_heads,
+                          head_dim=facts.head_dim, ffn_size=facts.ffn_size,
+                          vocab_size=facts.vocab_size))
+
+
 def kv_cache_bytes(facts: ModelFacts, context: int, sequences: int = 1) -> int:
-    return (2 * facts.n_layers * facts.n_kv_heads * facts.head_dim * context
-            * KV_BYTES_PER_ELEMENT * sequences)
+    return sizing.kv_cache_bytes(shape_of(facts).arch, context, sequences)
+
+
+def breakdown(backend: str, facts: ModelFacts, context: int, name: str = "",
+              sequences: int = 1) -> Breakdown:
+    """What `backend` will hold for this model at `context` tokens, by kind, with assumptions."""
+    shape = shape_of(facts, name)
+    if backend == "llama-cpp":
+        return sizing.llama_cpp_breakdown(shape, context, sequences)
+    return sizing.encoder_breakdown(shape)
 
 
 def estimate(backend: str, facts: ModelFacts, context: int) -> Footprint:
     """Bytes `backend` will hold for this model at `context` tokens of KV cache."""
-    if backend == "llama-cpp":
-        return Footprint(
-            weights=facts.weight_bytes,
-            kv_cache=kv_cache_bytes(facts, context),
-            overhead=LLAMA_FIXED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * facts.vocab_size,
-        )
-    return Footprint(weights=facts.weight_bytes, kv_cache=0, overhead=ENCODER_OVERHEAD)
+    b = breakdown(backend, facts, context)
+    return Footprint(weights=b.weights, kv_cache=b.kv_cache,
+                     overhead=b.overhead + b.activations + b.gradients + b.optimizer)
