@@ -742,3 +742,33 @@ def test_measured_footprint_over_max_memory_never_fits_and_is_unloaded(
         assert h.events.of(LoadFailedEvent) == []
 
     run(body())
+
+
+class GrowingProbe(FakeProbe):
+    """Reports `grow` more bytes on every other reading: a load measures exactly `grow`."""
+
+    def __init__(self, grows: list[int]) -> None:
+        super().__init__()
+        self.grows = grows
+        self.readings = 0
+
+    def used_bytes(self, device: str) -> int:
+        self.readings += 1
+        if self.readings % 2:  # before a load
+            return GIB
+        return GIB + self.grows.pop(0)  # after it
+
+
+def test_a_lower_reading_on_reload_does_not_shrink_the_counted_footprint() -> None:
+    async def body() -> None:
+        h = harness([entry("a")], budget_mib=500)
+        h.scheduler._probe = GrowingProbe([150 * MIB, 0])  # a reload reusing freed pages
+        await use(h.scheduler, "a")
+        assert h.status("a").bytes_measured == 150 * MIB
+        await h.scheduler.unload("a")
+        await use(h.scheduler, "a")  # measures only the declared 100 MiB this time
+        assert h.status("a").bytes_measured == 150 * MIB
+        assert h.used == 150 * MIB
+        await h.scheduler.close()
+
+    run(body())

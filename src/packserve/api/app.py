@@ -150,7 +150,7 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
             for m in scheduler.models()]}
 
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingRequest) -> JSONResponse:
         texts = body.texts
         async with scheduler.acquire(body.model, Task.EMBED) as lease:
             out = await batchers.for_backend(lease.backend).embed(lease.backend, texts)
@@ -161,8 +161,10 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
                           if body.encoding_format == "base64" else vec.tolist())
             data.append({"object": "embedding", "index": i, "embedding": value})
         tokens = sum(out.tokens)
-        return {"object": "list", "data": data, "model": body.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        # A JSONResponse skips FastAPI's jsonable_encoder, which walks every float: 9 ms of a
+        # 32 x 384 batch on the build machine (bench overhead found it).
+        return JSONResponse({"object": "list", "data": data, "model": body.model,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def rerank(body: RerankRequest) -> dict[str, Any]:
         docs = body.texts

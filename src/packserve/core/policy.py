@@ -7,7 +7,7 @@ the answer. Tests call them with hand-written tables (tests/core/test_policy.py)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -85,9 +85,84 @@ def choose_victims(
     return None
 
 
+# ------------------------------------------------------------------ victim policies
+#
+# A VictimPolicy answers "which residents leave so that `need_bytes` fit, given `free_bytes`"
+# over the other residents of one device: a tuple of keys in eviction order, () when nothing
+# has to leave, None when it cannot fit until busy models finish. Every policy keeps the two
+# safety rules of the scheduler contract: it never names a resident that is pinned, busy or not
+# hot (`ResidentView.evictable`), and it never answers with victims that leave too few bytes,
+# so the process cannot overcommit its budget whatever the policy. They differ only in whom
+# they choose. The alternatives exist so that `packserve bench trace` can replay one trace under
+# other engines' rules with the same scheduler.
+
+VictimPolicy = Callable[[Sequence[ResidentView], int, int], tuple[str, ...] | None]
+
+
+def lru_by_bytes(
+    residents: Sequence[ResidentView], need_bytes: int, free_bytes: int,
+) -> tuple[str, ...] | None:
+    """packserve's rule: evict only when bytes do not fit, least recently used first."""
+    return choose_victims(residents, need_bytes, free_bytes, lru_order)
+
+
+def lru_by_count(max_models: int) -> VictimPolicy:
+    """Ray Serve multiplexing's rule: at most `max_models` resident; evict LRU beyond that.
+
+    Modelled as: the resident being loaded counts as one, so while `max_models` or more others
+    hold memory, the least recently used idle ones leave until the count is `max_models - 1`,
+    whether or not their bytes are needed. Ray would also unload a model with requests in
+    flight; here busy and pinned models are never chosen (the scheduler contract), so the
+    count may be exceeded while they are busy. The byte budget still applies: if the count
+    rule frees too few bytes, further LRU victims are added as `lru_by_bytes` would.
+    """
+    if max_models < 1:
+        raise ValueError("max_models must be at least 1")
+
+    def policy(residents: Sequence[ResidentView], need_bytes: int,
+               free_bytes: int) -> tuple[str, ...] | None:
+        excess = sum(1 for r in residents if r.holds_memory) + 1 - max_models
+        victims: list[str] = []
+        freed = free_bytes
+        for r in sorted((r for r in residents if r.evictable), key=lru_order):
+            if len(victims) >= excess and freed >= need_bytes:
+                break
+            victims.append(r.key)
+            freed += r.bytes
+        return tuple(victims) if freed >= need_bytes else None
+
+    return policy
+
+
+def shortest_keep_alive_first(
+    keep_alive_s: Mapping[str, float], default_s: float = 300.0,
+) -> VictimPolicy:
+    """Ollama's rule: evict the model whose keep-alive expires soonest.
+
+    Ollama gives every runner a keep-alive (default 5 minutes, settable per model and per
+    request) and, when it needs room, unloads the idle runner whose expiry comes first. Modelled
+    as: expiry = `last_used + keep_alive` with keep-alives looked up by resident key or by any
+    of its catalog names (the longest wins for shared weights), `default_s` otherwise; victims
+    in order of expiry until the bytes fit. With one keep-alive for all it is plain LRU.
+    """
+
+    def keep_alive(r: ResidentView) -> float:
+        found = [keep_alive_s[n] for n in (r.key, *r.models) if n in keep_alive_s]
+        return max(found) if found else default_s
+
+    def by_expiry(r: ResidentView) -> tuple[float, ...]:
+        return (r.last_used + keep_alive(r), -r.bytes)
+
+    def policy(residents: Sequence[ResidentView], need_bytes: int,
+               free_bytes: int) -> tuple[str, ...] | None:
+        return choose_victims(residents, need_bytes, free_bytes, by_expiry)
+
+    return policy
+
+
 def plan_admission(
     target: ResidentView, residents: Sequence[ResidentView], capacity_bytes: int,
-    order: VictimOrder = lru_order,
+    policy: VictimPolicy = lru_by_bytes,
 ) -> Admission:
     """Decide how `target` gets onto its device. `residents` are the others on that device."""
     others = [r for r in residents if r.key != target.key and r.device == target.device]
@@ -112,7 +187,7 @@ def plan_admission(
             f"(pinned: {pinned_names})"
         ))
     free = capacity_bytes - used
-    victims = choose_victims(others, target.bytes, free, order)
+    victims = policy(others, target.bytes, free)
     if victims is None:
         return answer(Verdict.WAIT_FOR_BUSY, (), (
             f"{_label(target)} needs {_gib(target.bytes)}; {_gib(free)} is free and models with "
@@ -124,7 +199,9 @@ def plan_admission(
         ))
     by_key = {r.key: r for r in others}
     named = ", ".join(
-        f"{_label(by_key[k])} ({_gib(by_key[k].bytes)}, idle, least recently used)" for k in victims
+        f"{_label(by_key[k])} ({_gib(by_key[k].bytes)}, idle, "
+        f"{'least recently used' if policy is lru_by_bytes else 'chosen by the victim policy'})"
+        for k in victims
     )
     return answer(Verdict.FITS_AFTER_EVICTION, victims, (
         f"{_label(target)} needs {_gib(target.bytes)} and {_gib(free)} is free; "

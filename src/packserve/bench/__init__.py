@@ -1,0 +1,77 @@
+"""`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers.
+
+One module per scenario; each has `run(Options) -> Report`. This module parses the command
+line, runs the scenarios, and writes the JSON results, the plots and the Markdown table.
+Benchmarks report; they are never timed tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import sys
+from pathlib import Path
+
+from packserve.bench.common import Options, console, write_results
+from packserve.bench.report import append_markdown
+
+SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", choices=(*SCENARIOS, "all"), help="what to measure")
+    parser.add_argument("--quick", action="store_true",
+                        help="every scenario at a tiny size (seconds, not minutes)")
+    parser.add_argument("--out", default="bench/results", help="results folder (JSON, PNG)")
+    parser.add_argument("--docs", help="Markdown file the results table is appended to "
+                        "(default docs/benchmarks.md; with --quick, OUT/benchmarks.md)")
+    parser.add_argument("--data-dir", default="~/.cache/packserve",
+                        help="packserve data dir for the servers it starts (assembled GGUFs)")
+    parser.add_argument("--peers-dir", default=".venv-peers",
+                        help="virtual environments of the peers (infinity/, llama/)")
+    parser.add_argument("--rounds", type=int, default=3, help="overhead: ABAB rounds")
+    parser.add_argument("--duration", type=float, default=120.0,
+                        help="trace: seconds of arrivals per policy")
+    parser.add_argument("--rate", type=float, default=1.5, help="trace: mean requests/s")
+    parser.add_argument("--alpha", type=float, default=0.9, help="trace: Zipf exponent")
+    parser.add_argument("--cv", type=float, default=1.0,
+                        help="trace: coefficient of variation of inter-arrivals (1 = Poisson; "
+                        ">1 = bursty, Gamma)")
+    parser.add_argument("--budget-fraction", type=float, default=0.75,
+                        help="trace: memory budget as a fraction of the models' sum")
+    parser.add_argument("--seed", type=int, default=1, help="trace: random seed")
+    parser.add_argument("--slo", default="embed=0.5,rerank=0.5,chat=4,complete=4",
+                        help="trace: per-type latency targets in seconds")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    out = Path(args.out)
+    docs = Path(args.docs) if args.docs else (out / "benchmarks.md" if args.quick
+                                               else Path("docs/benchmarks.md"))
+    extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
+                                                 "budget_fraction", "seed", "slo")}
+    opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
+                   peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,
+                   extra=extra)
+    command = "packserve bench " + shlex.join(argv if argv is not None else sys.argv[2:])
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    failed = 0
+    for name in scenarios:
+        module = importlib.import_module(f"packserve.bench.{name}")
+        try:
+            report = module.run(opts)
+        except Exception as exc:  # one scenario failing must not lose the others' results
+            console.print(f"[red]bench {name} failed: {type(exc).__name__}: {exc}[/]")
+            failed += 1
+            continue
+        path = write_results(report, opts, command)
+        append_markdown(docs, report, command)
+        console.print(f"[green]{name}[/]: {path}")
+        for g in report.goals:
+            value = "n/a" if g.value is None else f"{g.value:.2f}"
+            verdict = {True: "met", False: "MISSED", None: "not measured"}[g.met]
+            console.print(f"  {g.name}: {value} (goal {g.op} {g.target}) {verdict}"
+                          + (f"  [{g.note}]" if g.note else ""))
+    return 1 if failed else 0

@@ -1,0 +1,132 @@
+"""`packserve bench coldstart`: per model, seconds from cold to first answer against the floor
+set by reading its weights, and the cost of switching between two resident models.
+
+"Cold" means unloaded from packserve and its files dropped from the page cache with
+posix_fadvise(DONTNEED) (what an unprivileged process can do; if the file system ignores it
+the read throughput shows it). The split: `read` is the measured cold sequential read of the
+same files (the floor), `load` is the rest of packserve's load (its residency load_seconds
+minus the read), `first inference` is the rest of the first request.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from packserve.bench.common import (
+    CHAT_MODEL,
+    COMPLETE_MODEL,
+    EMBED_MODEL,
+    Goal,
+    Options,
+    Report,
+    median,
+    model_files,
+    model_path,
+    packserve_argv,
+    progress,
+    request_body,
+    run_server,
+    write_config,
+)
+
+CHUNK = 16 << 20
+
+
+def drop_cache(files: list[Path]) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_seconds(files: list[Path]) -> float:
+    """Sequential read of `files` from a dropped page cache."""
+    drop_cache(files)
+    t0 = time.perf_counter()
+    for f in files:
+        with f.open("rb", buffering=0) as fh:
+            while fh.read(CHUNK):
+                pass
+    seconds = time.perf_counter() - t0
+    drop_cache(files)
+    return seconds
+
+
+def _load_seconds(c: httpx.Client, name: str) -> float:
+    for m in c.get("/v1/residency").json()["models"]:
+        if m["name"] == name:
+            return float(m["load_seconds"] or 0.0)
+    raise KeyError(name)
+
+
+def _timed(c: httpx.Client, name: str, seed: int = 0) -> float:
+    path, body = request_body(name, max_tokens=1, seed=seed)
+    t0 = time.perf_counter()
+    c.post(path, json=body).raise_for_status()
+    return time.perf_counter() - t0
+
+
+def run(opts: Options) -> Report:
+    models = (EMBED_MODEL,) if opts.quick else (EMBED_MODEL, CHAT_MODEL, COMPLETE_MODEL)
+    repeats = 1 if opts.quick else 3
+    switches = 4 if opts.quick else 20
+    config = write_config(opts.out / "work" / "coldstart.toml", opts)
+    report = Report("coldstart")
+    rows: list[list[object]] = []
+    per_model: dict[str, dict[str, object]] = {}
+    with progress(opts, "coldstart", len(models) * repeats + 1) as advance, run_server(
+            packserve_argv("--config", str(config), "--models", ",".join(models)),
+            log=opts.out / "work" / "coldstart-server.log") as server, server.client() as c:
+        for name in models:
+            files = model_files(model_path(name, opts))
+            size = sum(f.stat().st_size for f in files)
+            runs = []
+            for i in range(repeats):
+                c.post(f"/v1/residency/{name}/unload")  # 409 when already cold: fine
+                floor = read_seconds(files)
+                total = _timed(c, name, seed=i)
+                load = _load_seconds(c, name)
+                warm = median([_timed(c, name, seed=i + 10 + k) for k in range(3)])
+                runs.append({"read_floor_s": floor, "load_s": load, "first_answer_s": total,
+                             "first_inference_s": total - load, "warm_request_s": warm})
+                advance(1, f"{name} #{i + 1}")
+            med = {k: median([float(r[k]) for r in runs]) for k in runs[0]}
+            floor = med["read_floor_s"]
+            per_model[name] = {"file_bytes": size, "read_mib_per_s": size / floor / (1 << 20),
+                               "runs": runs, "median": med,
+                               "ratio_to_floor": med["first_answer_s"] / floor}
+            rows.append([name, round(size / (1 << 20), 1), round(size / floor / (1 << 20)),
+                         floor, max(0.0, med["load_s"] - floor), med["first_inference_s"],
+                         med["first_answer_s"], med["first_answer_s"] / floor])
+            report.goals.append(Goal(f"coldstart: {name}, first answer / read floor",
+                                     med["first_answer_s"] / floor, 1.5, "<="))
+        # Switching between two resident models: latency of A after B against A after A.
+        a, b = models[0], models[-1] if len(models) > 1 else models[0]
+        same, switched = [], []
+        for i in range(switches):
+            _timed(c, a, seed=i)
+            same.append(_timed(c, a, seed=i + 1))
+            _timed(c, b, seed=i)
+            switched.append(_timed(c, a, seed=i + 2))
+        advance(1, "switching")
+    switch: dict[str, Any] = {
+              "a": a, "b": b, "a_after_a_s": median(same), "a_after_b_s": median(switched),
+              "cost_s": median(switched) - median(same),
+              "ratio": median(switched) / median(same)}
+    report.results = {
+        "models": per_model, "switch": switch,
+        "cold": "unloaded, then posix_fadvise(DONTNEED) on its files",
+        "tables": [{"columns": ["model", "file MiB", "read MiB/s", "read (floor) s",
+                                "load s (beyond read)", "first inference s",
+                                "cold to first answer s", "÷ floor"], "rows": rows}],
+    }
+    report.goals.append(Goal(f"coldstart: switch {b} -> {a}, latency after switch / after same",
+                             switch["ratio"], 1.1, "<=", "should be nothing: 1.0"))
+    return report

@@ -1,0 +1,194 @@
+"""`packserve bench overhead`: packserve's HTTP API against the same models called directly.
+
+The direct side runs in its own process (`packserve.bench.direct`), so both sides pay for their
+own interpreter and neither steals the other's GIL. Rounds alternate packserve and direct (ABAB)
+in one run; the figures are medians over rounds and the goals are ratios of those medians.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from packserve.bench.common import (
+    CHAT_MODEL,
+    EMBED_MODEL,
+    Goal,
+    Options,
+    Report,
+    median,
+    model_path,
+    packserve_argv,
+    progress,
+    ratio,
+    run_server,
+    sentences,
+    write_config,
+)
+
+N_CTX = 2048  # the catalog's context_length for SmolLM2
+
+
+class Direct:
+    """The direct-call worker process."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "packserve.bench.direct"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True)
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(cmd) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"direct worker died on {cmd['op']}")
+        answer: dict[str, Any] = json.loads(line)
+        if not answer.get("ok"):
+            raise RuntimeError(f"direct worker: {answer}")
+        return answer
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.close()  # end of input: the worker exits
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+        self._proc.stdout.close()
+
+
+def chat_bodies(n: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
+    return [{"model": CHAT_MODEL, "max_tokens": max_tokens, "temperature": 0, "seed": seed + i,
+             "messages": [{"role": "user", "content": s}]}
+            for i, s in enumerate(sentences(n, words=16, seed=seed))]
+
+
+def api_embed_batches(c: httpx.Client, batches: list[list[str]], *, path: str = "/v1/embeddings",
+                      model: str = EMBED_MODEL) -> float:
+    t0 = time.perf_counter()
+    for b in batches:
+        c.post(path, json={"model": model, "input": b}).raise_for_status()
+    return sum(map(len, batches)) / (time.perf_counter() - t0)
+
+
+async def singles(url: str, texts: list[str], clients: int, path: str = "/v1/embeddings",
+                   model: str = EMBED_MODEL) -> float:
+    queue = list(reversed(texts))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
+
+        async def worker() -> None:
+            while queue:
+                text = queue.pop()
+                r = await c.post(path, json={"model": model, "input": text})
+                r.raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return len(texts) / (time.perf_counter() - t0)
+
+
+def api_chat(c: httpx.Client, bodies: list[dict[str, Any]], concurrency: int) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(body: dict[str, Any]) -> int:
+        r = c.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, bodies))
+    return tokens / (time.perf_counter() - t0)
+
+
+def run(opts: Options) -> Report:
+    rounds = 1 if opts.quick else int(opts.extra.get("rounds", 3))
+    n_batches = 2 if opts.quick else 16
+    n_singles = 32 if opts.quick else 256
+    n_chat, n_chat4, max_tokens = (1, 4, 8) if opts.quick else (4, 8, 64)
+    batches = [sentences(32, seed=100 + i) for i in range(n_batches)]
+    single_texts = sentences(n_singles, seed=7)
+    config = write_config(opts.out / "work" / "overhead.toml", opts)
+    series: dict[str, list[float]] = {k: [] for k in (
+        "api_batch32", "direct_batch32", "api_single16", "direct_single_batch32",
+        "api_chat1", "direct_chat1", "api_chat4", "direct_chat4")}
+    report = Report("overhead")
+    steps = rounds * 8 + 2
+    direct = Direct()
+    try:
+        with progress(opts, "overhead", steps) as advance, run_server(
+                packserve_argv("--config", str(config), "--models",
+                               f"{EMBED_MODEL},{CHAT_MODEL}"),
+                log=opts.out / "work" / "overhead-server.log") as server, \
+                server.client() as c:
+            direct.call(op="load_embed", path=str(model_path(EMBED_MODEL, opts)), max_batch=64)
+            direct.call(op="load_llama", path=str(model_path(CHAT_MODEL, opts)), n_ctx=N_CTX)
+            # Warm both sides: loads, first-call allocations.
+            api_embed_batches(c, batches[:1])
+            api_chat(c, chat_bodies(1, 4, 0), 1)
+            direct.call(op="embed", batches=batches[:1])
+            direct.call(op="chat", requests=chat_bodies(1, 4, 0), concurrency=1)
+            advance(2, "warm")
+            for r in range(rounds):
+                series["api_batch32"].append(api_embed_batches(c, batches))
+                advance(1, f"round {r + 1}: batch-32 api")
+                d = direct.call(op="embed", batches=batches)
+                series["direct_batch32"].append(d["items"] / d["seconds"])
+                advance(1, f"round {r + 1}: batch-32 direct")
+                series["api_single16"].append(asyncio.run(singles(server.url, single_texts, 16)))
+                advance(1, f"round {r + 1}: single x16 api")
+                d = direct.call(op="embed", batches=[single_texts[i:i + 32]
+                                                     for i in range(0, n_singles, 32)])
+                series["direct_single_batch32"].append(d["items"] / d["seconds"])
+                advance(1, f"round {r + 1}: same sentences, direct batch-32")
+                bodies1 = chat_bodies(n_chat, max_tokens, 1000 * r)
+                series["api_chat1"].append(api_chat(c, bodies1, 1))
+                advance(1, f"round {r + 1}: chat x1 api")
+                d = direct.call(op="chat", requests=bodies1, concurrency=1)
+                series["direct_chat1"].append(d["tokens"] / d["seconds"])
+                advance(1, f"round {r + 1}: chat x1 direct")
+                bodies4 = chat_bodies(n_chat4, max_tokens, 1000 * r + 500)
+                series["api_chat4"].append(api_chat(c, bodies4, 4))
+                advance(1, f"round {r + 1}: chat x4 api")
+                d = direct.call(op="chat", requests=bodies4, concurrency=4)
+                series["direct_chat4"].append(d["tokens"] / d["seconds"])
+                advance(1, f"round {r + 1}: chat x4 direct")
+    finally:
+        direct.close()
+    med = {k: median(v) for k, v in series.items()}
+    report.results = {
+        "rounds": rounds, "order": "ABAB: packserve then direct, per measurement, per round",
+        "sizes": {"batch32_batches": n_batches, "single_requests": n_singles, "clients": 16,
+                  "chat_requests_x1": n_chat, "chat_requests_x4": n_chat4,
+                  "max_tokens": max_tokens},
+        "units": "embeddings: sentences/s; chat: completion tokens/s",
+        "per_round": series, "median": med,
+        "ratios": {
+            "embed_batch32": ratio(med["api_batch32"], med["direct_batch32"]),
+            "embed_single16_vs_direct_batch32": ratio(med["api_single16"],
+                                                      med["direct_single_batch32"]),
+            "chat_1_stream": ratio(med["api_chat1"], med["direct_chat1"]),
+            "chat_4_streams": ratio(med["api_chat4"], med["direct_chat4"]),
+        },
+    }
+    rt = report.results["ratios"]
+    report.goals = [
+        Goal("overhead: batch-32 embeddings, API / direct", rt["embed_batch32"], 0.95, ">="),
+        Goal("overhead: single sentence x16 clients, API / direct batch-32",
+             rt["embed_single16_vs_direct_batch32"], 0.8, ">="),
+        Goal("overhead: chat tokens/s one stream, API / direct", rt["chat_1_stream"], 0.95,
+             ">="),
+        Goal("overhead: chat tokens/s four streams, API / direct (no goal set; >= 0.95 shown)",
+             rt["chat_4_streams"], 0.95, ">="),
+    ]
+    return report

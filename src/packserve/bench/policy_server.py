@@ -1,0 +1,72 @@
+"""`packserve serve` with another victim policy, for `packserve bench trace` only.
+
+Run as `python -m packserve.bench.policy_server --config FILE --policy SPEC --port P`.
+SPEC: `lru_by_bytes` (packserve's rule), `lru_by_count:N` (Ray Serve multiplexing),
+`keep_alive:DEFAULT_S[,NAME=S...]` (Ollama's shortest keep-alive first). Everything else is
+what `packserve serve` builds: same entries, budgets, backends, app and telemetry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from packserve.core.policy import (
+    VictimPolicy,
+    lru_by_bytes,
+    lru_by_count,
+    shortest_keep_alive_first,
+)
+
+
+def parse_policy(spec: str) -> VictimPolicy:
+    name, _, arg = spec.partition(":")
+    if name == "lru_by_bytes":
+        return lru_by_bytes
+    if name == "lru_by_count":
+        return lru_by_count(int(arg))
+    if name == "keep_alive":
+        default, *pairs = arg.split(",")
+        keep = {k: float(v) for k, v in (p.split("=", 1) for p in pairs)}
+        return shortest_keep_alive_first(keep, default_s=float(default))
+    raise ValueError(f"unknown policy {spec!r}")
+
+
+async def _serve(config_path: str, port: int, policy: VictimPolicy) -> None:
+    import uvicorn
+
+    from packserve.api.app import create_app
+    from packserve.backends import create_backend, prepare
+    from packserve.config import load_config
+    from packserve.core.memory import SystemProbe
+    from packserve.core.scheduler import FootprintStore, Scheduler
+    from packserve.server import build_entries, build_telemetry, device_budgets
+
+    config = load_config(config_path, port=port)
+    probe = SystemProbe()
+    entries = build_entries(config)
+    prepare({e.load.backend for e in entries})
+    scheduler = Scheduler(
+        entries, device_budgets(config, {e.load.device for e in entries}, probe),
+        create_backend, probe, FootprintStore(config.data_path / "footprints.json"),
+        load_wait_s=config.server.load_wait_s, failure_cooldown_s=config.server.failure_cooldown_s,
+        victim_policy=policy)
+    scheduler.check_pins()
+    app = create_app(scheduler, build_telemetry(config, scheduler),
+                     max_request_bytes=config.server.max_request_bytes)
+    await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                        log_level="warning")).serve()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--policy", default="lru_by_bytes")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    asyncio.run(_serve(args.config, args.port, parse_policy(args.policy)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

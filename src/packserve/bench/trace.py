@@ -1,0 +1,268 @@
+"""`packserve bench trace`: one mixed trace, replayed under packserve's victim policy and two
+baselines built as alternative victim-choice functions of the same scheduler.
+
+The trace: arrivals with Gamma inter-arrival times of a given coefficient of variation (1 is a
+Poisson process; above 1 bursty), model popularity Zipf(alpha) over the default catalog,
+prompt and output lengths drawn from small distributions. The memory budget is a fraction of
+the sum of the models' footprints, so some must leave for others to load. Each policy gets a
+fresh server (`packserve.bench.policy_server`, through the real HTTP app) and the same trace.
+
+Baselines (see packserve.core.policy):
+- Ray Serve multiplexing: `lru_by_count(N)` with N the largest count that can never overcommit
+  the budget, i.e. budget // the largest footprint: a count limit has to be sized for the
+  largest models, since it cannot see bytes.
+- Ollama: `shortest_keep_alive_first` with its default keep-alive (300 s) and 1800 s for the
+  chat models, as an operator keeping the interactive model warm would set it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from packserve.bench.common import (
+    CATALOG,
+    CHAT_MODEL,
+    COMPLETE_MODEL,
+    EMBED_MODEL,
+    EXTRACT_MODEL,
+    MIB,
+    RERANK_MODEL,
+    TASK_OF,
+    Goal,
+    Options,
+    Report,
+    progress,
+    request_body,
+    rss_bytes,
+    run_server,
+    write_config,
+)
+from packserve.bench.report import plot_latency_cdfs, plot_memory_timeline
+
+# Popularity rank (Zipf): the embedder is the most used, the extractor the least.
+POPULARITY = (EMBED_MODEL, CHAT_MODEL, RERANK_MODEL, COMPLETE_MODEL, EXTRACT_MODEL)
+PROMPT_WORDS = ((8, 0.5), (32, 0.35), (96, 0.15))
+MAX_TOKENS = ((8, 0.4), (16, 0.4), (32, 0.2))
+HEADROOM = 16 * MIB
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    at: float  # seconds after the start
+    model: str
+    words: int
+    max_tokens: int
+    seed: int
+
+
+def make_trace(*, seed: int, duration_s: float, rate: float, alpha: float, cv: float,
+               models: tuple[str, ...] = POPULARITY) -> list[TraceRequest]:
+    """The same seed gives the same trace. Pure: no clock, no I/O."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([1.0 / (i + 1) ** alpha for i in range(len(models))])
+    weights /= weights.sum()
+    shape = 1.0 / (cv * cv)  # Gamma(k, theta): mean k*theta = 1/rate, CV = 1/sqrt(k)
+    out: list[TraceRequest] = []
+    t = 0.0
+    while True:
+        t += float(rng.gamma(shape, 1.0 / (rate * shape)))
+        if t >= duration_s:
+            return out
+        model = models[int(rng.choice(len(models), p=weights))]
+        words = _pick(rng, PROMPT_WORDS)
+        out.append(TraceRequest(at=t, model=model, words=words,
+                                max_tokens=_pick(rng, MAX_TOKENS),
+                                seed=int(rng.integers(1_000_000_000))))
+
+
+def _pick(rng: np.random.Generator, table: tuple[tuple[int, float], ...]) -> int:
+    values, probs = zip(*table, strict=True)
+    return int(values[int(rng.choice(len(values), p=np.array(probs) / sum(probs)))])
+
+
+def footprints(opts: Options, config: Path) -> dict[str, int]:
+    """Bytes per distinct set of weights (keyed by its first catalog name): measured if
+    packserve has measured it before (its footprint store), else its estimate."""
+    from packserve.config import load_config
+    from packserve.core.scheduler import FootprintStore
+    from packserve.server import build_entries
+
+    cfg = load_config(config)
+    store = FootprintStore(cfg.data_path / "footprints.json")
+    out: dict[str, int] = {}
+    seen: set[str] = set()
+    for e in build_entries(cfg):
+        if e.load.key in seen:
+            continue
+        seen.add(e.load.key)
+        out[e.spec.name] = store.get(e.load) or e.bytes_estimated
+    return out
+
+
+async def _replay(url: str, trace: list[TraceRequest], advance: Any) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    results: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
+        start = time.perf_counter()
+
+        async def one(r: TraceRequest) -> None:
+            await asyncio.sleep(max(0.0, start + r.at - time.perf_counter()))
+            path, body = request_body(r.model, words=r.words, max_tokens=r.max_tokens,
+                                      seed=r.seed)
+            t0 = time.perf_counter()
+            try:
+                status = (await c.post(path, json=body)).status_code
+            except httpx.HTTPError as exc:
+                status = -1 if not isinstance(exc, httpx.HTTPStatusError) else 0
+            results.append({"at": r.at, "model": r.model, "task": TASK_OF[r.model],
+                            "status": status, "latency_s": time.perf_counter() - t0})
+            advance(1)
+
+        await asyncio.gather(*(one(r) for r in trace))
+    return results
+
+
+def _sample_memory(url: str, pid: int, stop: threading.Event, keys: dict[str, str],
+                   out: list[dict[str, Any]]) -> None:
+    t0 = time.perf_counter()
+    with httpx.Client(base_url=url, timeout=10) as c:
+        while not stop.is_set():
+            try:
+                data = c.get("/v1/residency").json()
+            except (httpx.HTTPError, ValueError):
+                break
+            row: dict[str, Any] = {"t": time.perf_counter() - t0, "rss": rss_bytes(pid),
+                                   "used": sum(d["used_bytes"] for d in data["devices"])}
+            # Hot only: a "loading" model may still be waiting for admission, holding nothing.
+            for m in data["models"]:
+                name = keys.get(m["name"])
+                if name is not None and m["state"] == "hot":
+                    row[name] = m["bytes_measured"] or m["bytes_estimated"]
+            out.append(row)
+            stop.wait(0.5)
+
+
+def _events(url: str) -> dict[str, int]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    counts: dict[str, int] = {}
+    for m in re.finditer(r'^packserve_model_events_total\{[^}]*event="(\w+)"[^}]*\} (\S+)$',
+                         text, re.M):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
+    return counts
+
+
+def run(opts: Options) -> Report:
+    x = opts.extra
+    duration = 10.0 if opts.quick else float(x.get("duration", 120))
+    rate = 1.0 if opts.quick else float(x.get("rate", 1.5))
+    alpha, cv, seed = float(x.get("alpha", 0.9)), float(x.get("cv", 1.0)), int(x.get("seed", 1))
+    slo = {k: float(v) for k, v in (p.split("=") for p in
+                                    x.get("slo", "embed=0.5,rerank=0.5,chat=4,complete=4")
+                                    .split(","))}
+    work = opts.out / "work"
+    probe_config = write_config(work / "trace-probe.toml", opts)
+    sizes = footprints(opts, probe_config)
+    total = sum(sizes.values())
+    capacity = max(max(sizes.values()), int(total * float(x.get("budget_fraction", 0.75))))
+    config = write_config(work / "trace.toml", opts, memory_budget=str(capacity + HEADROOM),
+                          headroom=str(HEADROOM))
+    max_models = max(1, capacity // max(sizes.values()))
+    policies = {
+        "packserve (LRU by bytes)": "lru_by_bytes",
+        f"Ray Serve rule (LRU, max {max_models} models)": f"lru_by_count:{max_models}",
+        "Ollama rule (shortest keep-alive first)":
+            f"keep_alive:300,{CHAT_MODEL}=1800,{EXTRACT_MODEL}=1800",
+    }
+    trace = make_trace(seed=seed, duration_s=duration, rate=rate, alpha=alpha, cv=cv)
+    # Which plotted series a catalog name belongs to: shared weights are drawn once.
+    keys = {EMBED_MODEL: "MiniLM (embed+rerank)", RERANK_MODEL: "MiniLM (embed+rerank)",
+            CHAT_MODEL: "SmolLM2 (chat+extract)", EXTRACT_MODEL: "SmolLM2 (chat+extract)",
+            COMPLETE_MODEL: "Gemma 3 270M (complete)"}
+    report = Report("trace")
+    per_policy: dict[str, Any] = {}
+    latencies: dict[str, dict[str, list[float]]] = {}
+    timelines: dict[str, dict[str, object]] = {}
+    rows: list[list[object]] = []
+    with progress(opts, "trace", len(trace) * len(policies)) as advance:
+        for label, spec in policies.items():
+            samples: list[dict[str, Any]] = []
+            stop = threading.Event()
+            argv = [sys.executable, "-m", "packserve.bench.policy_server", "--config",
+                    str(config), "--policy", spec]
+            with run_server(argv, log=work / f"trace-{spec.split(':')[0]}.log") as server:
+                sampler = threading.Thread(target=_sample_memory,
+                                           args=(server.url, server.pid, stop, keys, samples))
+                sampler.start()
+                t0 = time.perf_counter()
+                results = asyncio.run(_replay(server.url, trace, advance))
+                wall = time.perf_counter() - t0
+                stop.set()
+                sampler.join(timeout=30)
+                events = _events(server.url)
+            by_task: dict[str, list[float]] = {}
+            stats: dict[str, Any] = {}
+            for task in sorted({TASK_OF[m] for m in CATALOG}):
+                rs = [r for r in results if r["task"] == task]
+                ok = [r["latency_s"] for r in rs if r["status"] == 200]
+                by_task[task] = ok
+                if not rs:
+                    continue
+                p50, p95, p99 = (np.percentile(ok, [50, 95, 99]).tolist() if ok
+                                 else [None] * 3)
+                met = sum(1 for r in rs if r["status"] == 200 and r["latency_s"] <= slo[task])
+                stats[task] = {"requests": len(rs), "errors": len(rs) - len(ok), "p50_s": p50,
+                               "p95_s": p95, "p99_s": p99, "slo_s": slo[task],
+                               "slo_attainment": met / len(rs)}
+                rows.append([label, task, len(rs), p50, p95, p99, slo[task],
+                             f"{100 * met / len(rs):.0f}%", None, None])
+            all_met = sum(s["slo_attainment"] * s["requests"] for s in stats.values())
+            attainment = all_met / max(1, len(results))
+            rows.append([label, "all", len(results), None, None, None, None,
+                         f"{100 * attainment:.0f}%", events.get("load", 0),
+                         events.get("evict", 0)])
+            per_policy[label] = {"policy": spec, "by_task": stats, "events": events,
+                                 "slo_attainment": attainment, "wall_s": wall,
+                                 "peak_rss_bytes": max((s["rss"] for s in samples), default=0),
+                                 "requests": results, "memory": samples}
+            latencies[label] = by_task
+            names = list(dict.fromkeys(keys.values()))
+            timelines[label] = {"t": [s["t"] for s in samples],
+                                "models": {n: [s.get(n, 0) / MIB for s in samples]
+                                           for n in names}}
+    opts.out.mkdir(parents=True, exist_ok=True)
+    mem_png, cdf_png = opts.out / "trace-memory.png", opts.out / "trace-latency-cdf.png"
+    plot_memory_timeline(mem_png, timelines, capacity / MIB)
+    plot_latency_cdfs(cdf_png, latencies)
+    report.plots = [str(mem_png), str(cdf_png)]
+    base = per_policy["packserve (LRU by bytes)"]["slo_attainment"]
+    report.results = {
+        "trace": {"seed": seed, "duration_s": duration, "rate_per_s": rate, "zipf_alpha": alpha,
+                  "interarrival_cv": cv, "requests": len(trace), "popularity": list(POPULARITY),
+                  "prompt_words": PROMPT_WORDS, "max_tokens": MAX_TOKENS},
+        "footprints_bytes": sizes, "budget_bytes": capacity + HEADROOM,
+        "headroom_bytes": HEADROOM, "capacity_bytes": capacity, "slo_s": slo,
+        "policies": per_policy,
+        "tables": [{"columns": ["policy", "type", "requests", "p50 s", "p95 s", "p99 s",
+                                "SLO s", "SLO met", "loads", "evictions"], "rows": rows}],
+    }
+    for label, p in per_policy.items():
+        if label.startswith("packserve"):
+            continue
+        report.goals.append(Goal(f"trace: SLO attainment, packserve / {label}",
+                                 base / p["slo_attainment"] if p["slo_attainment"] else None,
+                                 1.0, ">=", "no goal in the issue; >= 1 means packserve is ahead"))
+    report.notes.append(
+        f"budget - headroom {capacity / MIB:.0f} MiB for models of "
+        + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sizes.items())
+        + f"; {len(trace)} requests, seed {seed}, rate {rate}/s, Zipf alpha {alpha}, CV {cv}")
+    return report
