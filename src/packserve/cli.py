@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from packserve import bench
 
     bench.add_arguments(sub.add_parser("bench", help="measure packing, overhead, cold starts, "
-                                       "a mixed trace, and peers"))
+                                       "a mixed trace, peers, and reliability"))
 
     args = parser.parse_args(argv)
     if args.command == "bench":
@@ -64,36 +64,24 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"packserve: {exc.message}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.server.log_level.upper(),
+    configure_logging(config.server.log_level)
+    from packserve.front.app import run_front
+
+    return asyncio.run(run_front(config, reload=lambda: load_config(
+        args.config, host=args.host, port=args.port, memory_budget=args.memory_budget,
+        only_models=only)))
+
+
+def configure_logging(level: str) -> None:
+    """Log lines on stderr; residency events as one JSON object per line, nothing around them.
+    The front and the worker share stderr, so both call this."""
+    logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # Residency events are one JSON object per line, on stderr, nothing around them.
     events = logging.getLogger("packserve.events")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     events.addHandler(handler)
     events.propagate = False
-    return asyncio.run(_run_server(config))
-
-
-async def _run_server(config: object) -> int:
-    import uvicorn
-
-    from packserve.api.app import create_app
-    from packserve.config import Config
-    from packserve.server import build_scheduler, build_telemetry
-
-    assert isinstance(config, Config)
-    try:
-        scheduler = build_scheduler(config)
-    except ConfigError as exc:
-        print(f"packserve: {exc.message}", file=sys.stderr)
-        return 2
-    app = create_app(scheduler, build_telemetry(config, scheduler),
-                     max_request_bytes=config.server.max_request_bytes)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.server.host, port=config.server.port,
-                                           log_level=config.server.log_level))
-    await server.serve()
-    return 0
 
 
 def _ps(url: str) -> int:

@@ -96,6 +96,11 @@ class ServerConfig(_Strict):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     currency: str = Field(default="EUR", min_length=1, max_length=8)
     metrics_window_s: float = Field(default=300.0, gt=0)
+    # SIGTERM: requests in flight get this long to finish (under Kubernetes' 30 s grace period).
+    drain_s: float = Field(default=25.0, ge=0, le=3600)
+    # A model whose engine is charged with two crashes this close together stays failed until
+    # an operator loads it again.
+    crash_window_s: float = Field(default=300.0, ge=0)
 
 
 class DeviceConfig(_Strict):

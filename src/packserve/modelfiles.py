@@ -38,6 +38,79 @@ class ModelFacts:
     dtype: str = ""  # how the weights are stored: "F32", "Q4_K_M", "BF16", ... ("" unknown)
 
 
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what llama.cpp reads; version 1 files were dropped in 2023
+SAFETENSORS_MAX_HEADER = 100 << 20  # the format's own limit on its JSON header
+
+
+def check_header(path: Path) -> None:
+    """Refuse a model file whose header is corrupt, truncated or of a version we cannot read.
+
+    Called before every load (in a load thread), so it reads only what it must: 24 bytes of a
+    GGUF file, the JSON header of a safetensors file, and, for a model directory, the headers
+    of its `*.safetensors` files. Anything else (tokenizers, configs, pickles) is left to the
+    engine. Raises ConfigError saying what is wrong with which file.
+    """
+    if path.is_dir():
+        for file in sorted(path.glob("*.safetensors")):
+            _check_safetensors(file)
+    elif not path.exists():
+        raise ConfigError(f"{path} does not exist")
+    elif path.suffix == ".gguf":
+        _check_gguf(path)
+    elif path.suffix == ".safetensors":
+        _check_safetensors(path)
+
+
+def _check_gguf(path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(24)  # magic, version (u32), tensor count (u64), metadata count (u64)
+    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+        raise ConfigError(f"{path} is not a GGUF file: it starts with {head[:4]!r}, not "
+                          f"{GGUF_MAGIC!r} (a truncated or failed download?)")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in GGUF_VERSIONS:
+        raise ConfigError(f"{path} is GGUF version {version}; packserve's llama.cpp reads "
+                          f"versions {', '.join(map(str, GGUF_VERSIONS))}")
+    tensors = int.from_bytes(head[8:16], "little")
+    metadata = int.from_bytes(head[16:24], "little")
+    if tensors > size or metadata > size:  # each entry takes several bytes of the file
+        raise ConfigError(f"{path} has a corrupt GGUF header: it claims {tensors} tensors and "
+                          f"{metadata} metadata entries in {size} bytes")
+
+
+def _check_safetensors(file: Path) -> None:
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(SAFETENSORS_MAX_HEADER, size - 8):
+            raise ConfigError(f"{file} has a corrupt safetensors header: it claims a "
+                              f"{length}-byte header in a {size}-byte file")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(f"{file} has a corrupt safetensors header: not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file} has a corrupt safetensors header: not a JSON object")
+    data = size - 8 - length
+    end = 0
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+            raise ConfigError(f"{file} has a corrupt safetensors header: tensor {name!r} has "
+                              f"no valid data_offsets")
+        end = max(end, offsets[1])
+    if end > data:
+        raise ConfigError(f"{file} is truncated: its tensors need {end} bytes of data and it "
+                          f"holds {data}")
+
+
 _CACHE_VERSION = 2  # bump when ModelFacts gains fields, so older rows are read again
 
 

@@ -107,11 +107,10 @@ def build_scheduler(
     sinks: Sequence[EventSink] = (log_event,),
 ) -> Scheduler:
     """The scheduler for `config`. Must be called from the thread that runs the event loop."""
-    from packserve.backends import create_backend, prepare
+    from packserve.backends import create_backend
 
     probe = probe or SystemProbe()
-    entries = build_entries(config)
-    prepare({e.load.backend for e in entries})
+    entries = build_entries(config)  # engines are imported by their first load
     budgets = device_budgets(config, {e.load.device for e in entries}, probe)
     scheduler = Scheduler(
         entries, budgets, factory or create_backend, probe,

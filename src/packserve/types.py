@@ -17,8 +17,12 @@ class Task(StrEnum):
 class State(StrEnum):
     """Where a model's weights are (DESIGN.md, scheduler contract)."""
 
-    COLD = "cold"  # on disk
+    COLD = "cold"  # on disk; holds nothing
+    ADMITTING = "admitting"  # a load waits for its device's lock, for memory or for evictions;
+    # holds nothing yet
     LOADING = "loading"  # being read onto its device; its bytes are already reserved
     HOT = "hot"  # on its device, serving
+    UNLOADING = "unloading"  # leaving its device; holds its bytes until the engine lets go
     WARM = "warm"  # offloaded to host RAM (GPU tiers; not produced yet)
-    FAILED = "failed"  # the last load failed; retried after a cooldown
+    FAILED = "failed"  # the last load failed (retried after a cooldown), or it was quarantined
+    # (until an operator loads it again)

@@ -462,7 +462,8 @@ def test_residency_shape(client: httpx.Client) -> None:
     for m in body["models"]:
         assert fields <= set(m), m
         assert m["device"] == "cpu"
-        assert m["state"] in {"cold", "loading", "hot", "warm", "failed"}
+        assert m["state"] in {"cold", "admitting", "loading", "hot", "unloading", "warm",
+                              "failed"}
         assert isinstance(m["pinned"], bool)
         assert isinstance(m["in_flight"], int) and isinstance(m["queued"], int)
     rows = {m["name"]: m for m in body["models"]}
@@ -578,25 +579,28 @@ device = "cpu"
 
 def test_readyz_503_names_a_pinned_model_that_failed(tmp_path: Path) -> None:
     control = FakeControl()
+    doomed = FakeControl(fail_next=1_000_000)  # every load of the pinned model fails, also
+    # the scheduler's retries of it in the background
 
     def factory(spec: LoadSpec) -> Backend:
         backend = FakeBackend(spec)
-        backend.control = control
-        if spec.path.name == "fake:64MiB":  # every load of the pinned model fails
-            control.fail_next = 1_000
+        backend.control = doomed if spec.path.name == "fake:64MiB" else control
         return backend
 
     with serve(config_from(tmp_path, PINNED_TOML), factory=factory) as running, \
             running.client(timeout=60) as c:
         r = c.get("/readyz")
         assert r.status_code == 503, r.text
-        assert r.json() == {"status": "not_ready", "pinned_not_loaded": ["doomed"]}
+        body = r.json()
+        assert (body["status"], body["pinned_not_loaded"]) == ("not_ready", ["doomed"])
+        (pin,) = body["pins"]  # why, and when the scheduler tries again
+        assert pin["model"] == "doomed" and pin["state"] == "failed"
+        assert "fake out of memory" in pin["error"] and pin["next_retry_s"] >= 0
         assert c.get("/healthz").status_code == 200
         row = model_row(c, "doomed")
         assert row["state"] == "failed" and row["pinned"] is True
         assert "fake out of memory" in row["error"]
         err = assert_error(c.post(E, json={"model": "doomed", "input": ["x"]}), 503)
         assert err["code"] == "model_unavailable"
-        control.fail_next = 0
         r = c.post(E, json={"model": "fine", "input": ["x"]})
         assert r.status_code == 200, r.text

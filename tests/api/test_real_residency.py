@@ -116,7 +116,8 @@ device = "{TEST_DEVICE}"
         assert ok.status_code == 200
         rows = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
     failures = [e for e in server.events if isinstance(e, LoadFailedEvent)]
-    assert [e.will_retry for e in failures] == [True, False]  # retried once, then failed
+    # llama.cpp refusing the file is not a failure memory can cause: failed at once, no retry.
+    assert [e.will_retry for e in failures] == [False]
     assert rows["broken"]["state"] == "failed" and rows["broken"]["error"]
     assert rows["gemma-3-270m"]["state"] == "hot"
 

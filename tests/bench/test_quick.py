@@ -17,7 +17,8 @@ from packserve.cli import main
 pytestmark = pytest.mark.real
 
 
-@pytest.mark.parametrize("scenario", ["overhead", "packing", "coldstart", "trace", "peers"])
+@pytest.mark.parametrize("scenario", ["overhead", "packing", "coldstart", "trace", "peers",
+                                      "reliability"])
 def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
                                               models_dir: Path) -> None:
     out = tmp_path / "out"

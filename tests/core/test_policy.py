@@ -72,6 +72,11 @@ VICTIM_CASES = [
         100, 0, ("b",),
         id="loading-cold-failed-not-chosen"),
     pytest.param(
+        [resident("a", 500, state=State.ADMITTING, last_used=0),
+         resident("u", 500, state=State.UNLOADING, last_used=0), resident("b", 100, last_used=9)],
+        100, 0, ("b",),
+        id="admitting-and-unloading-not-chosen"),
+    pytest.param(
         [resident("p", 500, pinned=True), resident("busy", 500, in_flight=2),
          resident("l", 500, state=State.LOADING), resident("b", 100)],
         300, 50, None,
@@ -160,6 +165,14 @@ ADMISSION_CASES = [
                          resident("f", 900, state=State.FAILED)], 1000,
         Verdict.FITS, (),
         id="cold-and-failed-hold-nothing"),
+    pytest.param(
+        cold("t", 600), [resident("a", 900, state=State.ADMITTING)], 1000,
+        Verdict.FITS, (),
+        id="admitting-holds-nothing-yet"),
+    pytest.param(
+        cold("t", 300), [resident("u", 800, state=State.UNLOADING)], 1000,
+        Verdict.WAIT_FOR_BUSY, (),
+        id="unloading-holds-its-bytes-until-done"),
     pytest.param(
         cold("t", 600), [resident("t", 900, in_flight=1)], 1000,
         Verdict.FITS, (),

@@ -1,33 +1,21 @@
 """Scheduler tests on CPU with the fake backend: no sockets, no weights, no sleeping to wait.
 
-Each test builds a Scheduler directly from small factories (`entry`, `harness`), steers loads
-through a fresh `FakeControl`, and waits on events or loop state with timeouts.
+Each test builds a Scheduler directly from small factories (tests/core/factories.py), steers
+loads through a fresh `FakeControl`, and waits on events or loop state with timeouts. Faults
+(cancellation, failed loads and writes, pins, reloads) are in test_scheduler_faults.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
-from packserve.backends.fake import FakeBackend, FakeControl
-from packserve.config import ModelSpec
-from packserve.core.backend import Backend, LoadSpec
-from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
+from packserve.core.events import EvictEvent, LoadEvent, LoadFailedEvent, LoadStartEvent
 from packserve.core.policy import Verdict
-from packserve.core.scheduler import (
-    DeviceBudget,
-    Entry,
-    FootprintStore,
-    ModelStatus,
-    Scheduler,
-)
+from packserve.core.scheduler import FootprintStore, PinStatus, Readiness, Scheduler
 from packserve.errors import (
     Conflict,
     ModelNotFound,
@@ -37,201 +25,18 @@ from packserve.errors import (
     QueueFull,
 )
 from packserve.types import State, Task
-
-MIB = 1 << 20
-GIB = 1 << 30
-TIMEOUT = 10.0  # seconds; a bound on waiting for events, never a timing assertion
-
-T = TypeVar("T")
-
-
-# ------------------------------------------------------------------------- factories
-
-
-class FakeProbe:
-    """A MemoryProbe whose used figure never moves, so measured = the backend's weight bytes."""
-
-    def __init__(self) -> None:
-        self.releases = 0
-
-    def total_bytes(self, device: str) -> int:
-        return 64 * GIB
-
-    def used_bytes(self, device: str) -> int:
-        return GIB
-
-    def release(self, device: str) -> None:
-        self.releases += 1
-
-
-class Clock:
-    """A scheduler clock that moves only when the test says so."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class Recorder:
-    """An event sink that remembers every event and lets a test await one."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-        self.gauges: list[int] = []  # `gauge()` at each event
-        self.gauge: Callable[[], int] = lambda: 0
-        self._changed = asyncio.Event()
-
-    def __call__(self, event: Event) -> None:
-        self.events.append(event)
-        self.gauges.append(self.gauge())
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def of(self, kind: type[T]) -> list[T]:
-        return [e for e in self.events if isinstance(e, kind)]
-
-    def names(self, kind: type[LoadEvent] | type[EvictEvent] | type[LoadFailedEvent]) -> list[str]:
-        return [e.model for e in self.of(kind)]
-
-    async def wait_for(self, pred: Callable[[Event], bool]) -> Event:
-        async with asyncio.timeout(TIMEOUT):
-            while True:
-                for e in self.events:
-                    if pred(e):
-                        return e
-                await self._changed.wait()
-
-
-def entry(
-    name: str, mib: int = 100, *, declared_mib: int | None = None, weights: str | None = None,
-    pin: bool = False, max_concurrency: int = 32, max_queue: int = 64,
-    max_memory: int | None = None, tasks: Sequence[Task] = (Task.EMBED,),
-) -> Entry:
-    """A fake model estimated at `mib` MiB whose backend declares `declared_mib` (default: same).
-
-    Entries with equal `weights` (default: the name) share one LoadSpec, hence one resident.
-    """
-    source = f"fake:{declared_mib or mib}MiB"
-    spec = ModelSpec(name=name, tasks=list(tasks), backend="fake", source=source, device="cpu",
-                     pin=pin, max_concurrency=max_concurrency, max_queue=max_queue,
-                     max_memory=max_memory)
-    load = LoadSpec(backend="fake", path=Path(weights or name) / source, device="cpu",
-                    context_length=0)
-    return Entry(spec=spec, load=load, bytes_estimated=mib * MIB)
-
-
-@dataclass
-class Harness:
-    scheduler: Scheduler
-    control: FakeControl
-    events: Recorder
-    probe: FakeProbe
-    clock: Clock
-    capacity: int
-    built: list[FakeBackend] = field(default_factory=list)
-    building: threading.Event = field(default_factory=threading.Event)
-
-    def status(self, name: str) -> ModelStatus:
-        (row,) = [m for m in self.scheduler.models() if m.name == name]
-        return row
-
-    def state(self, name: str) -> State:
-        return self.scheduler.state_of(name)
-
-    def loaded_bytes(self) -> int:
-        """What the fake engines really hold now, independent of the scheduler's accounting."""
-        return sum(b.weight_bytes() for b in self.built)
-
-    @property
-    def used(self) -> int:
-        return self.scheduler.devices()[0].used_bytes
-
-
-def harness(
-    entries: Sequence[Entry], budget_mib: int, *, headroom_mib: int = 0,
-    clock: Clock | None = None, real_clock: bool = False, store: FootprintStore | None = None,
-    load_wait_s: float = 120.0, failure_cooldown_s: float = 30.0,
-) -> Harness:
-    """A scheduler over `entries` on one cpu device. Call inside a running event loop."""
-    control = FakeControl()
-    events = Recorder()
-    probe = FakeProbe()
-    clock = clock or Clock()
-    built: list[FakeBackend] = []
-    building = threading.Event()
-
-    def factory(spec: LoadSpec) -> Backend:
-        backend = FakeBackend(spec)
-        backend.control = control
-        built.append(backend)
-        building.set()
-        return backend
-
-    scheduler = Scheduler(
-        entries, [DeviceBudget("cpu", budget_bytes=budget_mib * MIB,
-                               headroom_bytes=headroom_mib * MIB)],
-        factory, probe, store, load_wait_s=load_wait_s, failure_cooldown_s=failure_cooldown_s,
-        clock=time.monotonic if real_clock else clock, sinks=(events,),
-    )
-    h = Harness(scheduler=scheduler, control=control, events=events, probe=probe, clock=clock,
-                capacity=(budget_mib - headroom_mib) * MIB, built=built, building=building)
-    events.gauge = lambda: max(h.used, h.loaded_bytes())
-    return h
-
-
-def run(coro: Coroutine[object, object, None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, 4 * TIMEOUT))
-
-
-async def use(scheduler: Scheduler, name: str, task: Task = Task.EMBED) -> Backend:
-    """One request: take a lease, return the backend it lent."""
-    async with scheduler.acquire(name, task) as lease:
-        assert lease.model == name
-        return lease.backend
-
-
-async def drain(rounds: int = 50) -> None:
-    """Let every ready task run until it blocks. Yields to the loop; never waits on time."""
-    for _ in range(rounds):
-        await asyncio.sleep(0)
-
-
-class Hold:
-    """A request that keeps its lease until `release()`."""
-
-    def __init__(self, scheduler: Scheduler, name: str) -> None:
-        self._acquired = asyncio.Event()
-        self._release = asyncio.Event()
-        self.task = asyncio.create_task(self._run(scheduler, name))
-
-    async def _run(self, scheduler: Scheduler, name: str) -> None:
-        async with scheduler.acquire(name, Task.EMBED):
-            self._acquired.set()
-            await self._release.wait()
-
-    async def acquired(self) -> Hold:
-        waiter = asyncio.create_task(self._acquired.wait())
-        await asyncio.wait({waiter, self.task}, timeout=TIMEOUT,
-                           return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if self.task.done():
-            self.task.result()  # re-raise what went wrong
-        assert self._acquired.is_set(), "lease not granted in time"
-        return self
-
-    async def release(self) -> None:
-        self._release.set()
-        await asyncio.wait_for(self.task, TIMEOUT)
-
-
-async def hold(scheduler: Scheduler, name: str) -> Hold:
-    return await Hold(scheduler, name).acquired()
-
+from tests.core.factories import (
+    GIB,
+    MIB,
+    TIMEOUT,
+    FakeProbe,
+    drain,
+    entry,
+    harness,
+    hold,
+    run,
+    use,
+)
 
 # ------------------------------------------------------------------------- single flight
 
@@ -322,7 +127,8 @@ def test_model_with_a_lease_is_never_evicted_the_load_waits_for_it() -> None:
 
         b = asyncio.create_task(use(s, "b"))
         await drain()  # b reaches admission, finds a busy, and waits for memory
-        assert h.state("b") is State.LOADING
+        assert h.state("b") is State.ADMITTING  # waiting for admission holds nothing
+        assert h.used == 100 * MIB
         assert not b.done()
         assert h.state("a") is State.HOT
         assert h.events.of(EvictEvent) == []
@@ -398,10 +204,11 @@ def test_start_loads_pins_and_only_pins() -> None:
     async def body() -> None:
         h = harness([entry("p", pin=True), entry("a")], budget_mib=1024)
         s = h.scheduler
-        assert s.ready() == (False, ["p"])
+        assert s.ready() == Readiness(ready=False, pins=(
+            PinStatus(model="p", state=State.COLD, error=None, next_retry_s=None),))
         await s.start()
         assert (h.state("p"), h.state("a")) == (State.HOT, State.COLD)
-        assert s.ready() == (True, [])
+        assert s.ready() == Readiness(ready=True, pins=())
         assert h.events.names(LoadEvent) == ["p"]
         await s.close()
 
@@ -739,7 +546,10 @@ def test_measured_footprint_over_max_memory_never_fits_and_is_unloaded(
         assert len(h.built) == 1  # a quota verdict is not a load failure: no retry
         assert h.loaded_bytes() == 0  # nothing left holding memory
         assert h.used == 0
-        assert h.events.of(LoadFailedEvent) == []
+        # The engine load ran (LoadStartEvent), so it ends with exactly one LoadFailedEvent.
+        (failure,) = h.events.of(LoadFailedEvent)
+        assert not failure.will_retry and "max_memory" in failure.reason
+        assert len(h.events.of(LoadStartEvent)) == 1
 
     run(body())
 

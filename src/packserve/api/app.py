@@ -26,6 +26,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from packserve.api.asgi import (
+    CLIENT_CLOSED,
+    REQUEST_ID,
+    BodyLimit,
+    CancelOnDisconnect,
+    RequestId,
+    error_body,
+)
 from packserve.api.batching import Batchers
 from packserve.api.schemas import (
     ChatRequest,
@@ -47,15 +55,12 @@ _STATUS_PAGE = (resources.files("packserve.api") / "status.html").read_text("utf
 Run = Callable[[Backend, OnText | None], Generated]
 
 
-def error_body(message: str, type_: str, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
 def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes: int = 4 << 20,
-               start_scheduler: bool = True, sample_interval_s: float = 1.0) -> FastAPI:
-    """The ASGI app around `scheduler`. Its lifespan loads the pins, samples headroom every
-    `sample_interval_s`, and unloads the models at shutdown."""
+               start_scheduler: bool = True, background_start: bool = False,
+               sample_interval_s: float = 1.0) -> FastAPI:
+    """The ASGI app around `scheduler`. Its lifespan loads the pins (before serving, or while
+    serving with `background_start`), samples headroom every `sample_interval_s`, and unloads
+    the models at shutdown."""
 
     async def sample_forever() -> None:
         while True:
@@ -65,17 +70,27 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         sampler = asyncio.create_task(sample_forever())
-        if start_scheduler:
+        starting: asyncio.Task[None] | None = None
+        if start_scheduler and background_start:
+            starting = asyncio.create_task(scheduler.start())
+        elif start_scheduler:
             await scheduler.start()
         try:
             yield
         finally:
             sampler.cancel()
+            if starting is not None:
+                starting.cancel()
+                with contextlib.suppress(BaseException):
+                    await starting
             await scheduler.close()
 
     app = FastAPI(title="packserve", version="0.1.0", lifespan=lifespan)
+    # Outermost last: ids first, then counting, the body limit, and cancellation on disconnect.
+    app.add_middleware(CancelOnDisconnect)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(CountResponses, telemetry=telemetry)
+    app.add_middleware(RequestId)
     batchers = Batchers()
 
     # ------------------------------------------------------------ operator figures
@@ -134,10 +149,13 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        ready, waiting = scheduler.ready()
-        if ready:
+        readiness = scheduler.ready()
+        if readiness.ready:
             return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "not_ready", "pinned_not_loaded": waiting},
+        # Each pin not loaded: its state, why its last load failed, and when it is retried
+        # (next_retry_s is null when no retry is planned, e.g. a first load still running).
+        return JSONResponse({"status": "not_ready", "pinned_not_loaded": readiness.not_loaded,
+                             "pins": [asdict(p) for p in readiness.pins]},
                             status_code=503)
 
     # ------------------------------------------------------------ OpenAI-shaped routes
@@ -152,7 +170,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> JSONResponse:
         texts = body.texts
-        async with scheduler.acquire(body.model, Task.EMBED) as lease:
+        rid = REQUEST_ID.get()
+        async with scheduler.acquire(body.model, Task.EMBED, request_id=rid) as lease:
             out = await batchers.for_backend(lease.backend).embed(lease.backend, texts)
             lease.count_tokens(sum(out.tokens))
         data = []
@@ -168,7 +187,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
 
     async def rerank(body: RerankRequest) -> dict[str, Any]:
         docs = body.texts
-        async with scheduler.acquire(body.model, Task.RERANK) as lease:
+        rid = REQUEST_ID.get()
+        async with scheduler.acquire(body.model, Task.RERANK, request_id=rid) as lease:
             out = await asyncio.to_thread(lease.backend.rerank, body.query, docs)
             lease.count_tokens(out.tokens)
         order = sorted(range(len(docs)), key=lambda i: out.scores[i], reverse=True)
@@ -216,7 +236,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _stream(scheduler, body.model, Task.CHAT, run, chunk, check,
                                  include_usage)
-        async with scheduler.acquire(body.model, Task.CHAT) as lease:
+        rid = REQUEST_ID.get()
+        async with scheduler.acquire(body.model, Task.CHAT, request_id=rid) as lease:
             out = await asyncio.to_thread(run, lease.backend, None)
             lease.count_tokens(out.prompt_tokens, out.completion_tokens)
         check(out)
@@ -247,7 +268,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
             return await _stream(scheduler, body.model, Task.COMPLETE, run, chunk, None,
                                  include_usage, opening_chunk=False)
         choices, prompt_tokens, completion_tokens = [], 0, 0
-        async with scheduler.acquire(body.model, Task.COMPLETE) as lease:
+        async with scheduler.acquire(body.model, Task.COMPLETE,
+                                     request_id=REQUEST_ID.get()) as lease:
             for i, prompt in enumerate(prompts):
                 out = await asyncio.to_thread(lease.backend.complete, prompt, params, None)
                 lease.count_tokens(out.prompt_tokens, out.completion_tokens)
@@ -404,7 +426,7 @@ async def _stream_events(
     chunk: Callable[[str | None, str | None], dict[str, Any]],
     check: Callable[[Generated], None] | None, include_usage: bool, opening_chunk: bool,
 ) -> AsyncIterator[str]:
-    async with scheduler.acquire(model, task) as lease:
+    async with scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         stop = threading.Event()
@@ -464,65 +486,22 @@ class CountResponses:
             await self.app(scope, receive, send)
             return
         status = 500
+        started = False
 
         async def sending(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = int(message["status"])
+                status, started = int(message["status"]), True
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
+            if not started:  # CancelOnDisconnect stopped it: the client had gone
+                status = CLIENT_CLOSED
+        except asyncio.CancelledError:
+            if not started:
+                status = CLIENT_CLOSED
+            raise
         finally:
             route = scope.get("route")
             self.telemetry.count_response(getattr(route, "path", "unmatched"), status)
-
-
-class BodyLimit:
-    """Refuse request bodies over `max_bytes` with 413, before anything parses them."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send, int(declared))
-            return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge(self.max_bytes + 1)
-            return message
-
-        await self.app(scope, limited, send)
-
-    async def _refuse(self, send: Send, size: int) -> None:
-        response = JSONResponse(error_body(
-            f"request body is {size} bytes; this server accepts at most {self.max_bytes} "
-            f"(server.max_request_bytes)", "invalid_request_error", code="request_too_large"),
-            status_code=413)
-        await response({"type": "http"}, _no_receive, send)
-
-
-class _TooLarge(StarletteHTTPException):
-    """Raised while reading a body with no Content-Length; the 413 handler formats it."""
-
-    def __init__(self, size: int) -> None:
-        super().__init__(413, f"request body is over {size - 1} bytes, more than this server "
-                              f"accepts (server.max_request_bytes)")
-
-
-async def _no_receive() -> Message:
-    return {"type": "http.disconnect"}
-
-

@@ -1,14 +1,21 @@
 """A fake engine with a declared footprint, for scheduler-policy and HTTP-shape tests only.
 
 In a config: `backend = "fake"`, `source = "fake:64MiB"` declares 64 MiB. It embeds by hashing,
-reranks by word overlap and echoes prompts. Tests steer it through a shared `FakeControl`.
+reranks by word overlap and echoes prompts. Tests steer it through a shared `FakeControl`, or,
+across processes, with directives in the text it is given (fault injection, never in a real
+engine): `@@sleep=S` takes S seconds (a stream yields a word every 0.1 s meanwhile) and
+`@@signal=NAME` sends itself that signal (`SEGV`, `ILL`, `ABRT`, `KILL`), as a native crash would.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import signal
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,18 +33,26 @@ from packserve.core.backend import (
 )
 
 
+def _out_of_memory(name: str) -> Exception:
+    return MemoryError(f"fake out of memory loading {name}")
+
+
 @dataclass
 class FakeControl:
-    """Shared knobs: block loads until released, fail the next N loads, count loads."""
+    """Shared knobs: block loads (and unloads) until released, fail the next N loads with
+    `failure(name)` (out of memory unless a test says otherwise), count loads and unloads."""
 
     gate: threading.Event = field(default_factory=threading.Event)
+    unload_gate: threading.Event = field(default_factory=threading.Event)
     fail_next: int = 0
+    failure: Callable[[str], Exception] = _out_of_memory
     loads: dict[str, int] = field(default_factory=dict)
     unloads: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.gate.set()
+        self.unload_gate.set()
 
 
 DEFAULT_CONTROL = FakeControl()
@@ -60,10 +75,11 @@ class FakeBackend(Backend):
             self.control.loads[self.name] = self.control.loads.get(self.name, 0) + 1
             if self.control.fail_next > 0:
                 self.control.fail_next -= 1
-                raise MemoryError(f"fake out of memory loading {self.name}")
+                raise self.control.failure(self.name)
         self._loaded = True
 
     def unload(self) -> None:
+        self.control.unload_gate.wait(timeout=30)
         if self._loaded:
             with self.control.lock:
                 self.control.unloads[self.name] = self.control.unloads.get(self.name, 0) + 1
@@ -73,6 +89,8 @@ class FakeBackend(Backend):
         return declared_bytes(self.spec) if self._loaded else 0
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
+        for t in texts:
+            _directives(t, None)
         rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
                 for t in texts]
         return Embeddings(vectors=np.asarray(rows, dtype=np.float32) / 255.0,
@@ -89,9 +107,26 @@ class FakeBackend(Backend):
 
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
+        _directives(prompt, on_text)
         words = prompt.split()[: params.max_tokens or None]
         for w in words:
             if on_text is not None and not on_text(w + " "):
                 break
         return Generated(text=" ".join(words), finish_reason="stop",
                          prompt_tokens=len(prompt.split()), completion_tokens=len(words))
+
+
+_DIRECTIVE = re.compile(r"@@(sleep|signal)=([A-Za-z0-9.]+)")
+
+
+def _directives(text: str, on_text: OnText | None) -> None:
+    for kind, arg in _DIRECTIVE.findall(text):
+        if kind == "signal":
+            os.kill(os.getpid(), signal.Signals[f"SIG{arg.upper()}"])
+            time.sleep(5)  # the signal is delivered to this thread's process; never returns
+        else:
+            end = time.monotonic() + float(arg)
+            while time.monotonic() < end:
+                time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+                if on_text is not None and not on_text("."):
+                    return

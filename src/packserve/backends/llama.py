@@ -43,6 +43,9 @@ class LlamaCppBackend(Backend):
         self._lock = threading.Lock()
         self.name = self.spec.path.name
 
+    def prepare(self) -> None:
+        import llama_cpp  # noqa: F401
+
     def load(self) -> None:
         from llama_cpp import Llama, llama_supports_gpu_offload
 

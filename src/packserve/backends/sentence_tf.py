@@ -26,6 +26,9 @@ _MAX_CHARS_PER_TOKEN = 32
 class _TorchBackend(Backend):
     _model: Any = None
 
+    def prepare(self) -> None:
+        import sentence_transformers  # noqa: F401  (torch, transformers: seconds, ~400 MiB)
+
     def _check_files(self) -> None:
         path = self.spec.path
         if not any(path.rglob("*.safetensors")) and not self.spec.allow_pickle:

@@ -1,4 +1,5 @@
-"""`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers.
+"""`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers, and the
+front/worker split (reliability: memory, crash recovery, the hop, drain).
 
 One module per scenario; each has `run(Options) -> Report`. This module parses the command
 line, runs the scenarios, and writes the JSON results, the plots and the Markdown table.
@@ -16,7 +17,7 @@ from pathlib import Path
 from packserve.bench.common import Options, console, write_results
 from packserve.bench.report import append_markdown
 
-SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers")
+SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="packserve data dir for the servers it starts (assembled GGUFs)")
     parser.add_argument("--peers-dir", default=".venv-peers",
                         help="virtual environments of the peers (infinity/, llama/)")
-    parser.add_argument("--rounds", type=int, default=3, help="overhead: ABAB rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="overhead, reliability: ABAB rounds")
     parser.add_argument("--duration", type=float, default=120.0,
                         help="trace: seconds of arrivals per policy")
     parser.add_argument("--rate", type=float, default=1.5, help="trace: mean requests/s")
@@ -55,7 +56,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,
                    extra=extra)
-    command = "packserve bench " + shlex.join(argv if argv is not None else sys.argv[2:])
+    rest = sys.argv[2:] if argv is None else argv[1:] if argv[:1] == ["bench"] else argv
+    command = "packserve bench " + shlex.join(rest)
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     failed = 0
     for name in scenarios:

@@ -94,6 +94,10 @@ class Backend:
     def __post_init__(self) -> None:
         """Subclasses set up per-instance state here (locks, names); no I/O."""
 
+    def prepare(self) -> None:
+        """Import the engine's library. Called once per load, in a worker thread, just before
+        `load()` and before the load's memory is measured; importing twice costs nothing."""
+
     def load(self) -> None:
         """Read the weights onto `spec.device`. Called once, in a worker thread."""
         raise NotImplementedError

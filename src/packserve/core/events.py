@@ -33,6 +33,20 @@ class EvictEvent:
 
 
 @dataclass(frozen=True)
+class LoadStartEvent:
+    """The engine's `load()` of `model` is about to start in a worker thread.
+
+    Emitted on the event loop just before the thread starts; the same load then ends with
+    exactly one LoadEvent or LoadFailedEvent. A supervisor that sees the process die between
+    the two knows the engine call was running.
+    """
+
+    model: str
+    device: str
+    kind: str = "load_start"
+
+
+@dataclass(frozen=True)
 class LoadFailedEvent:
     model: str
     device: str
@@ -50,6 +64,7 @@ class RequestStartEvent:
     model: str
     task: str
     device: str
+    request_id: str = ""  # the caller's id (X-Request-ID), "" when it gave none
     kind: str = "request_start"
 
 
@@ -63,23 +78,33 @@ class RequestEvent:
     queue_seconds: float
     load_seconds: float
     inference_seconds: float
-    status: int  # the HTTP status it maps to: 200, or the error's status
-    outcome: str  # "ok" or the error class name
+    status: int  # the HTTP status it maps to: 200, 499 if the caller went away, or the error's
+    outcome: str  # "ok", "client_closed" (cancelled while waiting or holding), or the error class
     prompt_tokens: int = 0  # input tokens for embed and rerank
     completion_tokens: int = 0
     started: bool = False  # a RequestStartEvent was emitted for it
+    request_id: str = ""
     kind: str = "request"
 
 
-Event = LoadEvent | EvictEvent | LoadFailedEvent | RequestStartEvent | RequestEvent
+Event = (LoadEvent | LoadStartEvent | EvictEvent | LoadFailedEvent | RequestStartEvent
+         | RequestEvent)
 EventSink = Callable[[Event], None]
 
 _event_log = logging.getLogger("packserve.events")
 
+CLIENT_CLOSED = 499  # nginx's code for a request whose client went away; not an HTTP status
+
 
 def log_event(event: Event) -> None:
-    """The default sink: one JSON line per residency event (requests are too many to log)."""
-    if isinstance(event, RequestEvent | RequestStartEvent):
+    """The default sink: one JSON line per residency event, load starts included.
+
+    Requests are too many to log; only those that ended in a server-side failure or a client
+    abort (status 499 and above) are, so their request id can be found.
+    """
+    if isinstance(event, RequestStartEvent):
+        return
+    if isinstance(event, RequestEvent) and event.status < CLIENT_CLOSED:
         return
     _event_log.info(json.dumps({"ts": round(time.time(), 3), **dataclasses.asdict(event)},
                                sort_keys=True))

@@ -29,7 +29,9 @@ class ResidentView:
 
     @property
     def holds_memory(self) -> bool:
-        return self.state in (State.HOT, State.LOADING)
+        """Its bytes count as used: reserved for a load, serving, or not yet let go by an unload.
+        A load still waiting for admission (ADMITTING) holds nothing."""
+        return self.state in (State.LOADING, State.HOT, State.UNLOADING)
 
     @property
     def evictable(self) -> bool:

@@ -9,11 +9,21 @@ Vocabulary: a *model* is a catalog entry (the name clients send). A *resident* i
 weights on one device; catalog entries with the same `LoadSpec` share one resident, which is
 loaded once and counted once. Memory, states and eviction are per resident; quotas per model.
 
+A resident moves COLD -> ADMITTING -> LOADING -> HOT -> UNLOADING -> COLD (or FAILED). ADMITTING
+holds nothing; LOADING, HOT and UNLOADING hold their bytes (`ResidentView.holds_memory`).
+
 Invariants (all state lives on the event loop thread; only backend calls run in threads):
 - `res.leases` counts requests that hold or wait for the resident; a resident with leases is
   never evicted.
-- Every transition of a resident on device D (cold->loading->hot, hot->cold) happens while
-  holding `self._device_locks[D]`, so two loads never both count the same free bytes.
+- A load is a task the scheduler owns (`res.load_task`), never the caller's: callers await it
+  through `asyncio.shield`, so one that is cancelled cannot interrupt it. Until the engine call
+  starts, a load nobody waits for any more gives up, having loaded and evicted nothing; from
+  LOADING on it runs to the end and publishes the model hot or undoes itself.
+- Every transition of a resident on device D (ADMITTING->LOADING->HOT, HOT->UNLOADING->COLD)
+  happens while holding `self._device_locks[D]`: two loads never count the same free bytes, and
+  no load is measured while another load or unload on D moves its memory. Waiting for that
+  lock is bounded by `load_wait_s`.
+- Weights leave a device only through `_to_cold`.
 - Lock order: a model's quota slot is taken before the device lock; nothing holds a device lock
   while waiting for a quota slot.
 """
@@ -23,23 +33,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import functools
 import json
 import logging
 import os
+import re
+import tempfile
+import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from packserve.config import ModelSpec
 from packserve.core.backend import Backend, BackendFactory, LoadSpec
 from packserve.core.events import (
+    CLIENT_CLOSED,
     Event,
     EventSink,
     EvictEvent,
     LoadEvent,
     LoadFailedEvent,
+    LoadStartEvent,
     RequestEvent,
     RequestStartEvent,
     log_event,
@@ -56,6 +83,7 @@ from packserve.core.policy import (
     plan_admission,
 )
 from packserve.errors import (
+    ConfigError,
     Conflict,
     ModelNotFound,
     ModelUnavailable,
@@ -65,9 +93,15 @@ from packserve.errors import (
     QueueFull,
     TaskNotSupported,
 )
+from packserve.modelfiles import check_header
 from packserve.types import State, Task
 
 log = logging.getLogger("packserve.scheduler")
+
+T = TypeVar("T")
+
+QUARANTINE_RETRY_AFTER_S = 60  # a quarantined model waits for an operator; clients back off
+LOCK_RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True)
@@ -109,45 +143,6 @@ class Lease:
         self.completion_tokens += completion
 
 
-@dataclass
-class _Resident:
-    load: LoadSpec
-    models: list[str]
-    estimated: int
-    measured: int | None = None
-    state: State = State.COLD
-    backend: Backend | None = None
-    leases: int = 0
-    last_used: float = 0.0
-    load_seconds: float | None = None
-    error: str | None = None
-    failed_until: float = 0.0
-    reserved: bool = False  # admission passed; its bytes count as used
-    settled: asyncio.Event | None = None  # set when a load or unload in progress ends
-
-    @property
-    def key(self) -> str:
-        return self.load.key
-
-    @property
-    def label(self) -> str:
-        return "+".join(self.models)
-
-    @property
-    def bytes(self) -> int:
-        return self.measured if self.measured is not None else self.estimated
-
-
-@dataclass
-class _Model:
-    spec: ModelSpec
-    resident: _Resident
-    pinned: bool
-    running: int = 0
-    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
-    mean_service_s: float = 1.0
-
-
 @dataclass(frozen=True)
 class ModelStatus:
     """One row of the residency view."""
@@ -175,12 +170,137 @@ class DeviceStatus:
     used_bytes: int
 
 
+@dataclass(frozen=True)
+class PinStatus:
+    """A pinned model that is not hot, as /readyz reports it."""
+
+    model: str
+    state: State
+    error: str | None  # why its last load failed; None while it loads for the first time
+    next_retry_s: float | None  # seconds until the scheduler tries again; None: no retry planned
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Ready when every pinned model is hot; `pins` are the pinned models that are not."""
+
+    ready: bool
+    pins: tuple[PinStatus, ...]
+
+    @property
+    def not_loaded(self) -> list[str]:
+        return [p.model for p in self.pins]
+
+
+@dataclass(frozen=True)
+class ReconfigureReport:
+    """What `Scheduler.reconfigure` changed, by catalog name."""
+
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]  # quotas, pin, tasks or estimate; or new weights (a remove + add)
+
+
+_MEMORY_MESSAGE = re.compile(
+    r"out of memory|(failed|unable|cannot|can't|could not) (to )?allocate", re.IGNORECASE)
+
+
+def is_memory_failure(exc: BaseException) -> bool:
+    """Whether a failed load may succeed once memory is freed, so retrying it is worth it.
+
+    True for MemoryError, ENOMEM, and an engine's allocation failure in words ("CUDA out of
+    memory", ggml's "failed to allocate", numpy's "Unable to allocate"), anywhere in the
+    exception's chain. Anything else (a corrupt file, a missing library, a bad argument) will
+    fail the same way again.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, MemoryError):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.ENOMEM:
+            return True
+        if _MEMORY_MESSAGE.search(str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def check_weights(spec: LoadSpec) -> None:
+    """The default check before a load: the weights' file headers (the fake engine has none)."""
+    if spec.backend != "fake":
+        check_header(spec.path)
+
+
+@dataclass(eq=False)
+class _Resident:
+    load: LoadSpec
+    models: list[str]  # the catalog names that use these weights now
+    estimated: int
+    measured: int | None = None
+    state: State = State.COLD
+    backend: Backend | None = None
+    leases: int = 0
+    last_used: float = 0.0
+    load_seconds: float | None = None
+    error: str | None = None
+    failed_until: float = 0.0
+    quarantine: str | None = None  # why it stays FAILED until an operator loads it
+    load_task: asyncio.Task[None] | None = None  # the scheduler-owned load in progress
+    waiters: int = 0  # callers awaiting `load_task`: requests, admin load/pin, pins at start
+    abandonable: bool = False  # `load_task` waits where cancelling it is safe (lock, memory)
+    settled: asyncio.Event | None = None  # set when the unload in progress ends
+    retired: list[_Model] = field(default_factory=list)  # removed models still draining
+    former: str = ""  # its label when the catalog last named it
+    retiring: bool = False  # a `_retire` task watches it
+
+    @property
+    def key(self) -> str:
+        return self.load.key
+
+    @property
+    def label(self) -> str:
+        return "+".join(self.models) or self.former or self.key
+
+    @property
+    def bytes(self) -> int:
+        return self.measured if self.measured is not None else self.estimated
+
+
+@dataclass(eq=False)
+class _Model:
+    spec: ModelSpec
+    resident: _Resident
+    pinned: bool
+    estimated: int
+    running: int = 0
+    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    mean_service_s: float = 1.0
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and not self.waiters
+
+
+@dataclass(eq=False)
+class _PinRetry:
+    model: _Model
+    error: str
+    delay_s: float
+    next_at: float  # scheduler clock
+
+
 class FootprintStore:
-    """Measured footprints kept across restarts, keyed by `LoadSpec.key` and the file's size."""
+    """Measured footprints kept across restarts, keyed by `LoadSpec.key` and the file's size.
+
+    `put` is called from load threads, for loads on several devices at once.
+    """
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
         self._data: dict[str, dict[str, int]] = {}
+        self._lock = threading.Lock()  # guards `_data` and the file
         if path is not None and path.exists():
             try:
                 self._data = json.loads(path.read_text("utf-8"))
@@ -194,19 +314,49 @@ class FootprintStore:
         return int(row["bytes"])
 
     def put(self, spec: LoadSpec, measured: int) -> None:
-        self._data[spec.key] = {"bytes": measured, "file_bytes": _size_of(spec.path)}
-        if self._path is None:
-            return
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._data, indent=1, sort_keys=True), "utf-8")
-        os.replace(tmp, self._path)
+        """Remember `measured` and save the file. A failed save (full disk, read-only data dir)
+        is logged and otherwise ignored: the figure stays known to this process, and the load
+        that measured it stays good."""
+        row = {"bytes": measured, "file_bytes": _size_of(spec.path)}
+        with self._lock:
+            self._data[spec.key] = row
+            if self._path is None:
+                return
+            text = json.dumps(self._data, indent=1, sort_keys=True)
+            try:
+                self._write(self._path, text)
+            except OSError as exc:
+                log.warning("could not save measured footprints to %s (kept in memory): %s",
+                            self._path, exc)
+
+    @staticmethod
+    def _write(path: Path, text: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A tmp file of its own: another process (a restarted worker) may be writing too.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 def _size_of(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     return path.stat().st_size if path.exists() else -1
+
+
+def _outcome(exc: BaseException) -> tuple[int, str]:
+    """The status and outcome a request that ended with `exc` is counted with."""
+    if isinstance(exc, asyncio.CancelledError):
+        return CLIENT_CLOSED, "client_closed"
+    if isinstance(exc, PackserveError):
+        return exc.status, type(exc).__name__
+    return 500, type(exc).__name__
 
 
 class Scheduler:
@@ -222,9 +372,12 @@ class Scheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         load_wait_s: float = 120.0,
         failure_cooldown_s: float = 30.0,
+        pin_retry_s: tuple[float, float] = (1.0, 60.0),
         victim_policy: VictimPolicy = lru_by_bytes,
+        check_files: Callable[[LoadSpec], None] | None = check_weights,
         sinks: Sequence[EventSink] = (log_event,),
     ) -> None:
         self._factory = factory
@@ -232,27 +385,29 @@ class Scheduler:
         self._store = store or FootprintStore(None)
         self._clock = clock
         self._wall_offset = wall_clock() - clock()
+        self._sleep = sleep  # the pin retries' backoff timer
         self._load_wait_s = load_wait_s
         self._cooldown_s = failure_cooldown_s
+        self._pin_retry_first_s, self._pin_retry_max_s = pin_retry_s
         self._policy = victim_policy  # packserve's rule; bench swaps in other engines' rules
+        self._check_files = check_files  # None: no check (tests of fake engines)
         self._sinks = list(sinks)
         self._devices = {d.name: d for d in devices}
         self._residents: dict[str, _Resident] = {}
         self._models: dict[str, _Model] = {}
-        for e in entries:
-            res = self._residents.get(e.load.key)
-            if res is None:
-                res = _Resident(load=e.load, models=[], estimated=e.bytes_estimated,
-                                measured=self._store.get(e.load))
-                self._residents[e.load.key] = res
-            res.models.append(e.spec.name)
-            res.estimated = max(res.estimated, e.bytes_estimated)
-            self._models[e.spec.name] = _Model(spec=e.spec, resident=res, pinned=e.spec.pin)
-            if e.load.device not in self._devices:
-                raise PinsDoNotFit(
-                    f"model {e.spec.name!r} is on {e.load.device}, which has no budget")
+        self._check_devices(entries, self._devices)
+        self._apply(entries, {e.load.key: self._store.get(e.load) for e in entries})
         self._device_locks = {name: asyncio.Lock() for name in self._devices}
         self._memory_changed = asyncio.Event()
+        # Loads, unloads and footprint writes run here, never in the default pool that
+        # inference uses: 32 reranks in flight must not starve an unload holding a device lock.
+        # One device lock admits one load or unload at a time, so a worker per device suffices.
+        self._executor = ThreadPoolExecutor(max_workers=max(2, len(self._devices)),
+                                            thread_name_prefix="packserve-load")
+        self._background: set[asyncio.Task[None]] = set()  # pin retries, retirements
+        self._pin_retries: dict[str, _PinRetry] = {}
+        self._reconfiguring = asyncio.Lock()
+        self._closing = False
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -269,26 +424,49 @@ class Scheduler:
                 raise PinsDoNotFit(reason)
 
     async def start(self) -> None:
-        """Check and load the pins. A pin that fails to load leaves the server up, not ready."""
+        """Check and load the pins. A pin that fails to load leaves the server up but not ready
+        and is retried in the background with backoff; `ready()` says why and when."""
         self.check_pins()
-        for res in self._residents.values():
-            if self._is_pinned(res):
-                try:
-                    await self._ensure_hot(res)
-                except (ModelUnavailable, NeverFits) as exc:
-                    log.error("pinned model %s did not load: %s", res.label, exc.message)
+        await self._load_pins([m for m in self._models.values() if m.pinned])
 
     async def close(self) -> None:
+        """Stop background work, let loads that reached their engine finish, unload everything.
+
+        Called once, at shutdown. Requests still waiting for a load get ModelUnavailable.
+        """
+        self._closing = True
+        for task in list(self._background):
+            task.cancel()
+        loads = [r.load_task for r in self._residents.values() if r.load_task is not None]
         for res in self._residents.values():
-            if res.state is State.HOT and res.backend is not None:
-                backend, res.backend, res.state = res.backend, None, State.COLD
-                await asyncio.to_thread(backend.unload)
+            if res.load_task is not None and res.abandonable:
+                res.load_task.cancel()
+        await asyncio.gather(*self._background, *loads, return_exceptions=True)
+        for res in list(self._residents.values()):
+            if res.state is not State.HOT:
+                continue
+            if res.leases:  # unloading an engine in use could crash it; the process ends anyway
+                log.warning("%s still has %d requests in flight at shutdown; not unloaded",
+                            res.label, res.leases)
+                continue
+            try:
+                async with self._device_lock(res.load.device, f"unloading {res.label}"):
+                    if res.state is State.HOT and not res.leases:
+                        await self._to_cold(res, None)
+            except ModelUnavailable as exc:
+                log.error("could not unload %s at shutdown: %s", res.label, exc.message)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------- requests
 
     @contextlib.asynccontextmanager
-    async def acquire(self, name: str, task: Task) -> AsyncIterator[Lease]:
-        """Lend `name` for one request: quota slot, then load if needed. Raises PackserveError."""
+    async def acquire(self, name: str, task: Task, *, request_id: str = "") -> AsyncIterator[Lease]:
+        """Lend `name` for one request: quota slot, then load if needed. Raises PackserveError.
+
+        A caller cancelled while it waits or holds the lease (its client went away) is counted
+        with status 499, outcome "client_closed"; the load it may have started goes on if the
+        engine already runs it (see `_load`).
+        """
         model = self._model(name)
         if task not in model.spec.tasks:
             raise TaskNotSupported(
@@ -299,10 +477,13 @@ class Scheduler:
         t_enter = self._clock()
         try:
             await self._take_slot(model)
-        except QueueFull as exc:
-            self._emit(RequestEvent(model=name, task=task.value, device=device, queue_seconds=0.0,
-                                    load_seconds=0.0, inference_seconds=0.0, status=exc.status,
-                                    outcome=type(exc).__name__))
+        except (QueueFull, asyncio.CancelledError) as exc:
+            status, outcome = _outcome(exc)
+            self._emit(RequestEvent(
+                model=name, task=task.value, device=device,
+                queue_seconds=self._clock() - t_enter, load_seconds=0.0, inference_seconds=0.0,
+                status=status, outcome=outcome, request_id=request_id))
+            self._signal_memory()  # a retiring model may have become idle
             raise
         res.leases += 1
         t_slot = self._clock()
@@ -314,11 +495,11 @@ class Scheduler:
             t_ready = self._clock()
             assert res.backend is not None
             lease = Lease(model=name, task=task, backend=res.backend)
-            self._emit(RequestStartEvent(model=name, task=task.value, device=device))
+            self._emit(RequestStartEvent(model=name, task=task.value, device=device,
+                                         request_id=request_id))
             yield lease
         except BaseException as exc:
-            outcome = type(exc).__name__
-            status = exc.status if isinstance(exc, PackserveError) else 500
+            status, outcome = _outcome(exc)
             raise
         finally:
             t_done = self._clock()
@@ -327,15 +508,15 @@ class Scheduler:
             self._give_slot(model)
             if outcome == "ok":
                 model.mean_service_s = 0.8 * model.mean_service_s + 0.2 * (t_done - t_ready)
-            if res.leases == 0:
-                self._signal_memory()
+            # Loads waiting for memory and retiring residents wait for requests to end.
+            self._signal_memory()
             self._emit(RequestEvent(
                 model=name, task=task.value, device=device, queue_seconds=t_slot - t_enter,
                 load_seconds=t_ready - t_slot, inference_seconds=t_done - t_ready,
                 status=status, outcome=outcome,
                 prompt_tokens=lease.prompt_tokens if lease else 0,
                 completion_tokens=lease.completion_tokens if lease else 0,
-                started=lease is not None))
+                started=lease is not None, request_id=request_id))
 
     async def _take_slot(self, model: _Model) -> None:
         decision = admit_request(model.running, len(model.waiters), model.spec.concurrency,
@@ -361,50 +542,132 @@ class Scheduler:
             raise
 
     def _give_slot(self, model: _Model) -> None:
-        while model.waiters:
-            waiter = model.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        """A request leaves its slot: hand it to the next waiter, unless the model now has more
+        running than its (reconfigured, smaller) max_concurrency."""
+        if model.running <= model.spec.concurrency:
+            while model.waiters:
+                waiter = model.waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
         model.running -= 1
 
-    # ----------------------------------------------------------------- residency
+    def _fill_slots(self, model: _Model) -> None:
+        """Start queued requests while slots are free (after max_concurrency grew)."""
+        while model.waiters and model.running < model.spec.concurrency:
+            waiter = model.waiters.popleft()
+            if not waiter.done():
+                model.running += 1
+                waiter.set_result(None)
 
-    async def _ensure_hot(self, res: _Resident) -> None:
-        """Return when `res` is hot; load it (once, however many callers wait) if it is not."""
+    # ----------------------------------------------------------------- loading
+
+    async def _ensure_hot(self, res: _Resident, *, ignore_cooldown: bool = False) -> None:
+        """Return when `res` is hot, joining its load or starting one. Raises PackserveError.
+
+        The caller counts as a waiter while it awaits the load; it may be cancelled at any
+        point without harming the load. `ignore_cooldown`: the pin retries and operator
+        actions have their own pace and do not wait out a failure's cooldown.
+        """
         while True:
-            if res.state is State.HOT and res.settled is None:
+            if self._closing:
+                raise ModelUnavailable(f"model {res.label}: packserve is shutting down",
+                                       retry_after_s=LOCK_RETRY_AFTER_S)
+            if res.quarantine is not None:
+                raise ModelUnavailable(
+                    f"model {res.label} is quarantined: {res.quarantine}; it stays unavailable "
+                    f"until an operator loads it again", retry_after_s=QUARANTINE_RETRY_AFTER_S)
+            if res.state is State.HOT:
                 return
-            if res.settled is not None:  # a load or unload is under way: wait for its outcome
+            if res.state is State.UNLOADING:
+                assert res.settled is not None
                 await res.settled.wait()
                 continue
-            if res.state is State.FAILED:
+            task = res.load_task
+            if task is not None and task.cancelling():
+                await asyncio.wait({task})  # abandoned a moment ago: let it unwind, start anew
+                continue
+            if task is None:
                 left = res.failed_until - self._clock()
-                if left > 0:
+                if res.state is State.FAILED and left > 0 and not ignore_cooldown:
                     raise ModelUnavailable(
                         f"model {res.label} failed to load: {res.error}; "
                         f"next try in {left:.0f}s", retry_after_s=int(left) + 1)
-                res.state = State.COLD
-            res.settled = asyncio.Event()
-            res.state = State.LOADING
+                task = self._start_load(res)
+            res.waiters += 1
             try:
-                await self._load(res)
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if not task.cancelled() or (me is not None and me.cancelling()):
+                    raise  # our caller is cancelled
+                continue  # the load was cancelled under us (shutdown): look again
             finally:
-                if res.state is State.LOADING:
-                    res.state = State.COLD
-                res.settled.set()
-                res.settled = None
+                res.waiters -= 1
+                if res.waiters == 0 and res.abandonable and not task.done():
+                    task.cancel()  # nobody waits any more, and it holds nothing yet
+
+    def _start_load(self, res: _Resident) -> asyncio.Task[None]:
+        res.state = State.ADMITTING
+        task = asyncio.create_task(self._load(res), name=f"packserve load {res.label}")
+        res.load_task = task
+        task.add_done_callback(_retrieve)  # waiters get its outcome; nobody else needs it
+        return task
+
+    def _wanted(self, res: _Resident) -> bool:
+        """Whether a load of `res` should go on: somebody waits for it and it may be served."""
+        return res.waiters > 0 and res.quarantine is None and not self._closing
+
+    def _check_wanted(self, res: _Resident) -> None:
+        if not self._wanted(res):
+            raise _Abandoned
+
+    async def _abandonable(self, res: _Resident, wait: Callable[[], Awaitable[T]]) -> T:
+        """Wait in the load of `res` where the last waiter to leave may cancel the load."""
+        self._check_wanted(res)  # the last one may have left while nobody could cancel
+        res.abandonable = True
+        try:
+            return await wait()
+        finally:
+            res.abandonable = False
 
     async def _load(self, res: _Resident) -> None:
+        """The scheduler-owned load of `res`: ADMITTING -> LOADING -> HOT, or COLD / FAILED.
+
+        Until the engine call starts, it gives up as soon as nobody waits for it: cancelled where
+        it waits (device lock, memory), and checking before each eviction and before loading.
+        Whatever ends it, the bytes it reserved are published (HOT) or released here.
+        """
+        try:
+            await self._admit_and_load(res)
+        except _Abandoned:
+            log.debug("load of %s abandoned: nobody waits for it any more", res.label)
+        finally:
+            res.load_task = None
+            res.abandonable = False
+            if res.state in (State.ADMITTING, State.LOADING):
+                res.state = State.FAILED if res.quarantine is not None else State.COLD
+                self._signal_memory()
+
+    async def _admit_and_load(self, res: _Resident) -> None:
         device = self._devices[res.load.device]
         cap = self._memory_cap(res)
         if cap is not None and res.bytes > cap:
             raise NeverFits(f"model {res.label} needs {_mib(res.bytes)}, over its max_memory "
                             f"quota of {_mib(cap)}")
-        async with self._device_locks[device.name]:
-            deadline = self._clock() + self._load_wait_s
-            attempt = 0
+        t0 = self._clock()
+        deadline = t0 + self._load_wait_s
+        if self._check_files is not None:
+            try:
+                # Before any eviction: a file that cannot load must cost other models nothing.
+                await self._run(self._check_files, res.load)
+            except ConfigError as exc:
+                raise self._failed(res, exc.message, self._clock() - t0) from exc
+        async with self._device_lock(device.name, f"model {res.label}", deadline=deadline,
+                                     res=res):
+            retried = False
             while True:
+                self._check_wanted(res)  # every waiter gone before the engine started: stop
                 admission = self._admission(res)
                 if admission.verdict is Verdict.NEVER_FITS:
                     raise NeverFits(admission.reason)
@@ -412,46 +675,75 @@ class Scheduler:
                     left = deadline - self._clock()
                     if left <= 0:
                         raise ModelUnavailable(
-                            f"timed out after {self._load_wait_s:.0f}s waiting for memory: "
-                            f"{admission.reason}", retry_after_s=5)
-                    await self._wait_memory(left)
+                            f"model {res.label} timed out after {self._load_wait_s:g}s waiting "
+                            f"for memory: {admission.reason}", retry_after_s=LOCK_RETRY_AFTER_S)
+                    await self._abandonable(res, functools.partial(self._wait_memory, left))
                     continue
                 if admission.victims:
                     # One at a time, then plan again: a request may lease the next victim
                     # while this one unloads.
-                    await self._unload(self._residents[admission.victims[0]],
-                                       f"make room for {res.label}")
+                    await self._to_cold(self._residents[admission.victims[0]],
+                                        f"make room for {res.label}")
                     continue
-                attempt += 1
-                res.reserved = True
-                t0 = self._clock()
+                res.state = State.LOADING
+                t_load = self._clock()
                 try:
                     await self._materialize(res)
                     return
                 except NeverFits:
-                    res.reserved = False
                     raise
                 except Exception as exc:
-                    res.reserved = False
+                    res.state = State.ADMITTING  # the engine undid its own load: nothing held
                     reason = f"{type(exc).__name__}: {exc}"
-                    retry = attempt == 1
+                    if retried or not is_memory_failure(exc):
+                        raise self._failed(res, reason, self._clock() - t_load,
+                                           twice=retried) from exc
+                    retried = True
                     self._emit(LoadFailedEvent(model=res.label, device=device.name,
-                                               bytes=res.bytes, seconds=self._clock() - t0,
-                                               reason=reason, will_retry=retry))
-                    if not retry:
-                        res.state, res.error = State.FAILED, reason
-                        res.failed_until = self._clock() + self._cooldown_s
-                        raise ModelUnavailable(
-                            f"model {res.label} failed to load twice: {reason}",
-                            retry_after_s=int(self._cooldown_s) + 1) from exc
-                    log.warning("load of %s failed (%s); freeing idle models and retrying once",
-                                res.label, reason)
-                    for other in list(self._residents.values()):
-                        if other.load.device == device.name and self._view(other).evictable:
-                            await self._unload(other, f"free memory to retry {res.label}")
+                                               bytes=res.bytes, seconds=self._clock() - t_load,
+                                               reason=reason, will_retry=True))
+                    victims = self._retry_victims(res)
+                    log.warning("load of %s ran out of memory (%s); unloading %s and retrying "
+                                "once", res.label, reason,
+                                ", ".join(self._residents[k].label for k in victims) or "nothing")
+                    for key in victims:
+                        self._check_wanted(res)
+                        victim = self._residents.get(key)
+                        if victim is not None and self._view(victim).evictable:
+                            await self._to_cold(victim, f"free memory to retry {res.label}")
+
+    def _failed(self, res: _Resident, reason: str, seconds: float, *,
+                twice: bool = False) -> ModelUnavailable:
+        """Mark `res` FAILED for the cooldown and say so; returns the error to raise."""
+        res.state, res.error = State.FAILED, reason
+        res.failed_until = self._clock() + self._cooldown_s
+        self._emit(LoadFailedEvent(model=res.label, device=res.load.device, bytes=res.bytes,
+                                   seconds=seconds, reason=reason, will_retry=False))
+        return ModelUnavailable(
+            f"model {res.label} failed to load{' twice' if twice else ''}: {reason}",
+            retry_after_s=int(self._cooldown_s) + 1)
+
+    def _retry_victims(self, res: _Resident) -> tuple[str, ...]:
+        """Whom to unload before retrying a load of `res` that ran out of memory.
+
+        Admission said `res` fit and the engine still could not allocate, so the free figure
+        cannot be trusted (other processes, fragmentation, an estimate too low): the shortfall
+        is unknown, but the load never needs more than its own footprint. So the victim policy
+        is asked to free that much again, counting nothing as free; if the idle models hold
+        less, all of them go, still in the policy's order.
+        """
+        others = [self._view(r) for r in self._residents.values()
+                  if r is not res and r.load.device == res.load.device]
+        victims = self._policy(others, res.bytes, 0)
+        if victims is None:
+            victims = self._policy(others, sum(v.bytes for v in others if v.evictable), 0)
+        return victims or ()
 
     async def _materialize(self, res: _Resident) -> None:
-        """cold -> hot. Must hold the device lock and have reserved the bytes."""
+        """LOADING -> HOT: run the engine's load and publish it. Must hold the device lock.
+
+        Never abandoned: once the engine call has started, its outcome is published or undone.
+        """
         device = res.load.device
         t0 = self._clock()
 
@@ -459,9 +751,12 @@ class Scheduler:
             # Hand freed heap pages back first, so the load cannot reuse memory that was
             # already resident and hide its size (without it, the same Gemma load measured
             # anywhere from 285 to 320 MiB).
+            backend = self._factory(res.load)
+            # The engine library is imported on first use (a server with no torch model never
+            # imports torch), and before the measurement: its code is not the model's bytes.
+            backend.prepare()
             self._probe.release(device)
             before = self._probe.used_bytes(device)
-            backend = self._factory(res.load)
             try:
                 backend.load()
             except BaseException:
@@ -471,49 +766,118 @@ class Scheduler:
             grown = self._probe.used_bytes(device) - before
             return backend, max(grown, backend.weight_bytes())
 
-        backend, measured = await asyncio.to_thread(build)
+        self._emit(LoadStartEvent(model=res.label, device=device))
+        backend, measured = await self._run(build)
         seconds = self._clock() - t0
         # Keep the largest figure seen for these weights: a reload in a long-lived process can
         # reuse heap pages that trimming could not return and read low (seen: SmolLM2 139 MiB
         # against 156-160 on a fresh heap); under-counting would let the budget be exceeded.
         measured = max(measured, res.measured or 0)
-        # Off the loop: the store sizes model directories and writes a file.
-        await asyncio.to_thread(self._store.put, res.load, measured)
+        try:
+            await self._run(self._store.put, res.load, measured)
+        except Exception:  # the store logs its own write failures; no store fault fails a load
+            log.exception("could not record the footprint of %s", res.label)
         res.measured = measured
         cap = self._memory_cap(res)
         if cap is not None and measured > cap:
-            # Never publish it as HOT: the caller owns `settled` and may hold a lease.
-            await asyncio.to_thread(backend.unload)
-            del backend
-            await asyncio.to_thread(self._probe.release, device)
-            res.reserved = False
-            raise NeverFits(f"model {res.label} measured {_mib(measured)} after loading, over "
-                            f"its max_memory quota of {_mib(cap)}; it was unloaded")
+            reason = (f"model {res.label} measured {_mib(measured)} after loading, over its "
+                      f"max_memory quota of {_mib(cap)}; it was unloaded")
+            await self._to_cold(res, None, backend)
+            self._emit(LoadFailedEvent(model=res.label, device=device, bytes=measured,
+                                       seconds=seconds, reason=reason, will_retry=False))
+            raise NeverFits(reason)
         res.backend, res.load_seconds = backend, seconds
-        res.state, res.error, res.reserved = State.HOT, None, False
+        res.state, res.error, res.failed_until = State.HOT, None, 0.0
         res.last_used = self._clock()
         self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
                              bytes_measured=measured, seconds=seconds, reason="first use"))
-
-    async def _unload(self, res: _Resident, reason: str) -> None:
-        """hot -> cold. Must hold the device lock; `res` must have no leases."""
-        assert res.leases == 0 and res.state is State.HOT and res.backend is not None
-        backend, res.backend = res.backend, None
-        res.settled = asyncio.Event()  # new requests wait instead of using a dying backend
-        t0 = self._clock()
-        try:
-            await asyncio.to_thread(backend.unload)
-            del backend
-            await asyncio.to_thread(self._probe.release, res.load.device)
-        finally:
-            res.state = State.COLD
-            res.settled.set()
-            res.settled = None
-        self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=res.bytes,
-                              seconds=self._clock() - t0, reason=reason))
         self._signal_memory()
 
+    # ----------------------------------------------------------------- unloading
+
+    async def _to_cold(self, res: _Resident, reason: str | None,
+                       backend: Backend | None = None) -> None:
+        """The one way weights leave a device: HOT (or LOADING, with the `backend` that loaded)
+        -> UNLOADING -> COLD, or FAILED if quarantined. Must hold the device lock; nothing may
+        hold a lease on a HOT one. Emits an EvictEvent with `reason` unless it is None (shutdown,
+        a quota)."""
+        backend = backend or res.backend
+        assert backend is not None and (res.state is State.LOADING or res.leases == 0)
+        res.backend = None
+        res.state = State.UNLOADING  # holds its bytes until the engine has let go
+        res.settled = settled = asyncio.Event()  # new requests wait, then load it again
+        t0 = self._clock()
+        try:
+            await self._run(backend.unload)
+            del backend
+            await self._run(self._probe.release, res.load.device)
+        finally:
+            res.state = State.FAILED if res.quarantine is not None else State.COLD
+            res.settled = None
+            settled.set()
+            self._signal_memory()
+        if reason is not None:
+            self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=res.bytes,
+                                  seconds=self._clock() - t0, reason=reason))
+
+    async def _retire(self, res: _Resident, reason: str) -> None:
+        """Unload `res` once nothing uses it, because it was quarantined or removed from the
+        catalog; forget it once cold if no catalog entry names it. A background task."""
+        if res.retiring:
+            return
+        res.retiring = True
+        try:
+            await self._retire_when_idle(res, reason)
+        finally:
+            res.retiring = False
+
+    async def _retire_when_idle(self, res: _Resident, reason: str) -> None:
+        while res.quarantine is not None or not res.models:
+            changed = self._memory_changed  # taken before looking, so no signal is missed
+            busy = bool(res.leases or res.load_task or any(not m.idle for m in res.retired))
+            if not busy and res.state is State.HOT:
+                try:
+                    async with self._device_lock(res.load.device, f"retiring {res.label}"):
+                        if (res.state is State.HOT and not res.leases
+                                and not any(not m.idle for m in res.retired)):
+                            await self._to_cold(res, reason)
+                except ModelUnavailable as exc:
+                    log.warning("%s; trying again when the device is free", exc.message)
+                continue
+            if not busy and res.state is not State.UNLOADING:
+                if not res.models and self._residents.get(res.key) is res:
+                    del self._residents[res.key]
+                return
+            await changed.wait()
+
+    # ----------------------------------------------------------------- waiting
+
+    @contextlib.asynccontextmanager
+    async def _device_lock(self, device: str, who: str, *, deadline: float | None = None,
+                           res: _Resident | None = None) -> AsyncIterator[None]:
+        """Hold `device`'s lock. Waits until `deadline` (scheduler clock; default: load_wait_s
+        from now), then raises ModelUnavailable naming `who`. With `res`, the wait is part of
+        that resident's load, which its last waiter may abandon."""
+        lock = self._device_locks[device]
+        end = deadline if deadline is not None else self._clock() + self._load_wait_s
+        try:
+            async with asyncio.timeout(max(0.0, end - self._clock())):
+                if res is None:
+                    await lock.acquire()
+                else:
+                    await self._abandonable(res, lock.acquire)
+        except TimeoutError as exc:
+            raise ModelUnavailable(
+                f"{who} waited {self._load_wait_s:g}s for {device}, where another load or "
+                f"unload is still running; retry later", retry_after_s=LOCK_RETRY_AFTER_S
+            ) from exc
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _signal_memory(self) -> None:
+        """Wake whoever waits for memory or for models to go idle: a load, a retirement."""
         self._memory_changed.set()
         self._memory_changed = asyncio.Event()
 
@@ -521,25 +885,105 @@ class Scheduler:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._memory_changed.wait(), seconds)
 
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a blocking lifecycle call (load, unload, release, footprint write) off the loop,
+        on the scheduler's own executor."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
+        """Start scheduler-owned background work; `close()` cancels it."""
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    # ----------------------------------------------------------------- pins
+
+    async def _load_pins(self, models: Sequence[_Model]) -> None:
+        """Load pinned `models` now; a failure is retried in the background with backoff."""
+        failed: dict[str, str] = {}  # resident key -> error: shared weights are tried once
+        for model in models:
+            res = model.resident
+            if res.key not in failed:
+                try:
+                    await self._ensure_hot(res, ignore_cooldown=True)
+                    continue
+                except PackserveError as exc:
+                    failed[res.key] = exc.message
+            log.error("pinned model %s did not load: %s; retrying in %gs", model.spec.name,
+                      failed[res.key], self._pin_retry_first_s)
+            self._retry_pin(model, failed[res.key])
+
+    def _retry_pin(self, model: _Model, error: str) -> None:
+        name = model.spec.name
+        retry = self._pin_retries.get(name)
+        if retry is not None and retry.model is model:
+            retry.error = error
+            return
+        retry = _PinRetry(model=model, error=error, delay_s=self._pin_retry_first_s,
+                          next_at=self._clock() + self._pin_retry_first_s)
+        self._pin_retries[name] = retry
+        self._spawn(self._keep_pin(retry), f"packserve pin retry {name}")
+
+    async def _keep_pin(self, retry: _PinRetry) -> None:
+        """Retry a pinned model's load, the delay doubling up to pin_retry_s[1], until it is
+        hot, unpinned or removed."""
+        model = retry.model
+        name = model.spec.name
+        try:
+            while True:
+                retry.next_at = self._clock() + retry.delay_s
+                await self._sleep(retry.delay_s)
+                if self._models.get(name) is not model or not model.pinned:
+                    return
+                try:
+                    await self._ensure_hot(model.resident, ignore_cooldown=True)
+                    log.info("pinned model %s loaded on retry", name)
+                    return
+                except PackserveError as exc:
+                    retry.error = exc.message
+                    retry.delay_s = min(retry.delay_s * 2, self._pin_retry_max_s)
+                    log.warning("pinned model %s still did not load: %s; retrying in %gs",
+                                name, exc.message, retry.delay_s)
+        finally:
+            if self._pin_retries.get(name) is retry:
+                del self._pin_retries[name]
+
     # ----------------------------------------------------------------- admin
 
     async def load(self, name: str) -> None:
-        await self._ensure_hot(self._model(name).resident)
+        """Operator action: load `name` now, clearing a failed state (cooldown or quarantine)."""
+        res = self._model(name).resident
+        res.quarantine = None
+        res.failed_until = 0.0
+        if res.state is State.FAILED:
+            res.state = State.COLD
+        await self._ensure_hot(res)
 
     async def unload(self, name: str) -> None:
+        """Operator action: unload `name` if it is hot and idle. Conflict if pinned or busy;
+        ModelUnavailable if its device stays busy with other loads for load_wait_s."""
         res = self._model(name).resident
         if self._is_pinned(res):
             raise Conflict(f"model {res.label} is pinned; unpin it first")
-        async with self._device_locks[res.load.device]:
-            if res.state is not State.HOT or res.settled is not None:
+        async with self._device_lock(res.load.device, f"unloading {res.label}"):
+            if res.state is not State.HOT:
                 return
             if res.leases:
                 raise Conflict(f"model {res.label} has {res.leases} requests in flight")
-            await self._unload(res, "unloaded by operator")
+            await self._to_cold(res, "unloaded by operator")
 
     async def pin(self, name: str) -> None:
+        """Operator action: keep `name` loaded. If its load fails the pin is rolled back and the
+        error raised: the operator sees it at once, and nothing retries behind their back."""
         model = self._model(name)
         if model.pinned:
+            await self._ensure_hot(model.resident, ignore_cooldown=True)
             return
         model.pinned = True
         try:
@@ -547,10 +991,30 @@ class Scheduler:
         except PinsDoNotFit as exc:
             model.pinned = False
             raise Conflict(exc.message) from exc
-        await self._ensure_hot(model.resident)
+        try:
+            await self._ensure_hot(model.resident, ignore_cooldown=True)
+        except BaseException:
+            model.pinned = False
+            raise
 
     def unpin(self, name: str) -> None:
         self._model(name).pinned = False
+
+    def quarantine(self, name: str, reason: str) -> None:
+        """Mark `name`'s weights FAILED with `reason` until an operator loads them again.
+
+        Called by the supervisor for a model whose engine crashed twice within crash_window_s.
+        New requests get ModelUnavailable naming the model and the reason; requests holding a
+        lease finish, then the weights are unloaded.
+        """
+        res = self._model(name).resident
+        res.quarantine = reason
+        res.error = reason
+        if res.state in (State.COLD, State.FAILED):
+            res.state = State.FAILED
+        else:
+            self._spawn(self._retire(res, f"quarantined: {reason}"),
+                        f"packserve quarantine {res.label}")
 
     def plan(self, name: str) -> Admission:
         """The dry run: what loading `name` now would evict, and why. Changes nothing."""
@@ -559,6 +1023,152 @@ class Scheduler:
         # Policy speaks in resident keys; operators know catalog names.
         return dataclasses.replace(answer, target=res.label, victims=tuple(
             self._residents[k].label for k in answer.victims))
+
+    # ----------------------------------------------------------------- reload
+
+    async def reconfigure(
+        self, entries: Sequence[Entry], devices: Iterable[DeviceBudget] | None = None,
+    ) -> ReconfigureReport:
+        """Make `entries` the catalog without dropping a request. Raises ConfigError, having
+        changed nothing, if the new pins do not fit or `devices` adds or removes a device.
+
+        Called by the reload path (SIGHUP, POST /v1/admin/reload) with entries it resolved and
+        estimated. A removed model gets 404 at once; its requests in flight and queued finish,
+        then its weights are unloaded unless another model shares them. A model whose weights
+        (LoadSpec) change is a removal plus an addition under the same name. Models that stay
+        keep their queue and take new quotas at once; a pin changed in the file is applied
+        (one set by an operator stays otherwise). New pins are loaded before this returns, and
+        retried in the background if they fail. Budgets may change; a shrunk one evicts idle
+        models until it fits.
+        """
+        async with self._reconfiguring:
+            budgets = dict(self._devices)
+            if devices is not None:
+                budgets = {d.name: d for d in devices}
+                if set(budgets) != set(self._devices):
+                    raise ConfigError(
+                        f"devices cannot be added or removed without a restart (running: "
+                        f"{', '.join(sorted(self._devices))}; asked: "
+                        f"{', '.join(sorted(budgets))})")
+            self._check_devices(entries, budgets)
+            new_keys = {e.load.key: e.load for e in entries if e.load.key not in self._residents}
+            measured = {k: await self._run(self._store.get, load) for k, load in new_keys.items()}
+            # From here on nothing awaits until the catalog is swapped: no request sees half.
+            self._check_new_pins(entries, budgets, measured)
+            shrunk = [d for d, b in budgets.items()
+                      if b.capacity_bytes < self._devices[d].capacity_bytes]
+            self._devices = budgets
+            report = self._apply(entries, measured)
+            for model in self._models.values():
+                self._fill_slots(model)
+            for res in list(self._residents.values()):
+                if not res.models:
+                    self._spawn(self._retire(res, "removed from the config"),
+                                f"packserve retire {res.label}")
+            self._signal_memory()  # a larger budget may admit a waiting load
+            for device in shrunk:
+                try:
+                    await self._fit_budget(device)
+                except ModelUnavailable as exc:
+                    log.warning("%s; %s stays over its new budget for now", exc.message, device)
+            await self._load_pins([m for m in self._models.values()
+                                   if m.pinned and m.resident.state is not State.HOT
+                                   and m.spec.name not in self._pin_retries])
+            log.info("reconfigured: added %s, removed %s, changed %s",
+                     list(report.added), list(report.removed), list(report.changed))
+            return report
+
+    def _check_devices(self, entries: Sequence[Entry], budgets: Mapping[str, DeviceBudget],
+                       ) -> None:
+        for e in entries:
+            if e.load.device not in budgets:
+                raise PinsDoNotFit(
+                    f"model {e.spec.name!r} is on {e.load.device}, which has no budget")
+
+    def _check_new_pins(self, entries: Sequence[Entry], budgets: Mapping[str, DeviceBudget],
+                        measured: Mapping[str, int | None]) -> None:
+        """Raise PinsDoNotFit if the pins `entries` would leave do not fit their devices."""
+        pinned: dict[str, ResidentView] = {}
+        for e in entries:
+            before = self._models.get(e.spec.name)
+            if (before is not None and before.resident.key == e.load.key
+                    and before.spec.pin == e.spec.pin):
+                pin = before.pinned  # as `_apply` decides: an operator's pin or unpin stays
+            else:
+                pin = e.spec.pin
+            if not pin:
+                continue
+            res = self._residents.get(e.load.key)
+            known = res.measured if res is not None else measured.get(e.load.key)
+            size = known if known is not None else max(
+                e.bytes_estimated, res.estimated if res is not None else 0)
+            view = pinned.get(e.load.key)
+            names = (*view.models, e.spec.name) if view else (e.spec.name,)
+            pinned[e.load.key] = ResidentView(
+                key=e.load.key, device=e.load.device, state=State.COLD, pinned=True,
+                bytes=max(size, view.bytes if view else 0), models=names)
+        for name, budget in budgets.items():
+            reason = pins_fit([v for v in pinned.values() if v.device == name],
+                              budget.capacity_bytes)
+            if reason:
+                raise PinsDoNotFit(reason)
+
+    def _apply(self, entries: Sequence[Entry], measured: Mapping[str, int | None],
+               ) -> ReconfigureReport:
+        """Swap the catalog for `entries`. Synchronous: no request can see half of it."""
+        old = self._models
+        models: dict[str, _Model] = {}
+        added: list[str] = []
+        changed: list[str] = []
+        for e in entries:
+            name = e.spec.name
+            res = self._residents.get(e.load.key)
+            if res is None:
+                res = _Resident(load=e.load, models=[], estimated=e.bytes_estimated,
+                                measured=measured.get(e.load.key))
+                self._residents[e.load.key] = res
+            before = old.get(name)
+            if before is not None and before.resident is res:
+                if (before.spec, before.estimated) != (e.spec, e.bytes_estimated):
+                    changed.append(name)
+                if before.spec.pin != e.spec.pin:  # the file changed it; else keep the operator's
+                    before.pinned = e.spec.pin
+                before.spec, before.estimated = e.spec, e.bytes_estimated
+                models[name] = before
+            else:
+                (added if before is None else changed).append(name)
+                models[name] = _Model(spec=e.spec, resident=res, pinned=e.spec.pin,
+                                      estimated=e.bytes_estimated)
+        for name, before in old.items():
+            if models.get(name) is not before and not before.idle:
+                before.resident.retired.append(before)  # it drains, then lets its weights go
+        self._models = models
+        for res in self._residents.values():
+            users = [m for m in models.values() if m.resident is res]
+            res.former = res.label
+            res.models = [m.spec.name for m in users]
+            res.retired = [m for m in res.retired if not m.idle]
+            if users:
+                res.estimated = max(m.estimated for m in users)
+        return ReconfigureReport(added=tuple(added),
+                                 removed=tuple(n for n in old if n not in models),
+                                 changed=tuple(changed))
+
+    async def _fit_budget(self, device: str) -> None:
+        """Evict idle models of `device`, in the victim policy's order, until it fits."""
+        async with self._device_lock(device, f"fitting {device} to its new budget"):
+            while True:
+                views = [self._view(r) for r in self._residents.values()
+                         if r.load.device == device]
+                over = self._used(device) - self._devices[device].capacity_bytes
+                if over <= 0:
+                    return
+                victims = self._policy(views, over, 0)
+                if not victims:
+                    log.warning("%s is %s over its new budget until busy models finish",
+                                device, _mib(over))
+                    return
+                await self._to_cold(self._residents[victims[0]], f"{device}'s budget shrank")
 
     # ----------------------------------------------------------------- views
 
@@ -571,11 +1181,20 @@ class Scheduler:
     def state_of(self, name: str) -> State:
         return self._model(name).resident.state
 
-    def ready(self) -> tuple[bool, list[str]]:
-        """Ready when every pinned model is hot; else the pinned models that are not."""
-        waiting = [m.spec.name for m in self._models.values()
-                   if m.pinned and m.resident.state is not State.HOT]
-        return not waiting, waiting
+    def ready(self) -> Readiness:
+        """Ready when every pinned model is hot; else which are not, why, and the next retry."""
+        now = self._clock()
+        pins = []
+        for m in self._models.values():
+            res = m.resident
+            if not m.pinned or res.state is State.HOT:
+                continue
+            retry = self._pin_retries.get(m.spec.name)
+            pins.append(PinStatus(
+                model=m.spec.name, state=res.state,
+                error=retry.error if retry is not None else res.error,
+                next_retry_s=max(0.0, retry.next_at - now) if retry is not None else None))
+        return Readiness(ready=not pins, pins=tuple(pins))
 
     def devices(self) -> list[DeviceStatus]:
         return [DeviceStatus(name=d.name, budget_bytes=d.budget_bytes,
@@ -609,17 +1228,14 @@ class Scheduler:
         return any(self._models[n].pinned for n in res.models)
 
     def _memory_cap(self, res: _Resident) -> int | None:
-        caps = [c for n in res.models if (c := self._models[n].spec.max_memory) is not None]
+        users = [self._models[n] for n in res.models] or res.retired
+        caps = [c for m in users if (c := m.spec.max_memory) is not None]
         return min(caps) if caps else None
 
     def _view(self, res: _Resident) -> ResidentView:
-        state = res.state
-        if state is State.LOADING and not res.reserved:
-            state = State.COLD  # waiting for admission: holds nothing yet
-        elif state is State.HOT and res.settled is not None:
-            state = State.LOADING  # unloading: still holds memory, cannot be chosen again
         return ResidentView(
-            key=res.key, device=res.load.device, state=state, bytes=res.bytes,
+            key=res.key, device=res.load.device, state=res.state,
+            bytes=res.bytes,
             pinned=self._is_pinned(res), in_flight=res.leases, last_used=res.last_used,
             models=tuple(res.models))
 
@@ -638,6 +1254,17 @@ class Scheduler:
                 sink(event)
             except Exception:  # an exporter bug must not break scheduling
                 log.exception("event sink failed on %s", event)
+
+
+class _Abandoned(Exception):
+    """Every waiter of a load left before its engine call started: it stops, having loaded
+    and evicted nothing."""
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a load's outcome as seen: its waiters got it, or nobody was left to care."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _mib(n: int) -> str:

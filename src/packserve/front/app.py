@@ -1,0 +1,463 @@
+"""The front process: it owns the listening socket and hands every request to the worker.
+
+Why a front at all: the worker holds every engine, and engines are native code that can die
+(SIGSEGV, SIGILL, an OOM kill). The front imports no engine (no torch, no llama.cpp), so it
+survives; while a new worker starts it keeps the port answering, fails only the requests that
+were running a generation in a charged engine (503, or an error event in a started stream),
+and sends everything else again once (docs/reliability.md has the scenarios and figures).
+
+It also owns what must outlive a worker: draining on SIGTERM, config reload on SIGHUP and
+`POST /v1/admin/reload`, the crash history, quarantines and their counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from packserve.api.asgi import (
+    REQUEST_ID,
+    BodyLimit,
+    CancelOnDisconnect,
+    RequestId,
+    error_body,
+)
+from packserve.config import Config
+from packserve.errors import ConfigError
+from packserve.front.supervisor import Crash, Supervisor, Worker, WorkerAlive
+
+log = logging.getLogger("packserve.front")
+_event_log = logging.getLogger("packserve.events")
+
+# Headers that belong to one hop, not to the request or response being relayed.
+_HOP = frozenset({b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te",
+                  b"trailer", b"upgrade", b"proxy-connection", b"content-length"})
+_ADMIN_LOAD = re.compile(r"^/v1/residency/(?P<name>.+)/load$")
+# Keys read once when the worker or the front starts; a reload that changes them is refused.
+RESTART_KEYS = ("host", "port", "data_dir")
+
+
+class FrontMetrics:
+    """The front's own counters; /metrics appends them to the worker's."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.crashes = Counter(
+            "packserve_engine_crashes", "Worker deaths charged to a model whose engine was "
+            "running (model=\"\" when none was)", ["model", "signal"], registry=self.registry)
+        self.worker_starts = Counter("packserve_worker_starts",
+                                     "Worker processes started, the first one included",
+                                     registry=self.registry)
+        self.after_crash = Counter(
+            "packserve_crash_requests", "Requests in flight when a worker died, by what "
+            "happened to them: retried once, or failed (a generation in a charged engine)",
+            ["model", "outcome"], registry=self.registry)
+
+    def on_crash(self, crash: Crash) -> None:
+        for model in crash.charged or ("",):
+            self.crashes.labels(model=model, signal=crash.cause).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Front:
+    """What the front's routes share: the supervisor, draining and the requests in flight."""
+
+    def __init__(self, config: Config, supervisor: Supervisor, metrics: FrontMetrics,
+                 reload: Callable[[], Config] | None = None) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.metrics = metrics
+        self._reload = reload
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def wait_s(self) -> float:
+        """How long a request waits for a worker to answer (a restart, a slow first start)."""
+        return self.config.server.load_wait_s
+
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, within_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), within_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the config; refuse it (ConfigError) if invalid or if it changes keys that
+        need a restart; else hand it to the worker, which adds, removes and requotes models
+        without dropping a request."""
+        if self._reload is None:
+            raise ConfigError("this server was not started from a config it can re-read")
+        new = await asyncio.to_thread(self._reload)
+        old = self.config
+        changed = [f"server.{k}" for k in RESTART_KEYS
+                   if getattr(old.server, k) != getattr(new.server, k)]
+        changed += [f"server.{k}" for k in type(old.server).model_fields
+                    if k not in RESTART_KEYS and getattr(old.server, k) != getattr(new.server, k)]
+        if old.devices != new.devices:
+            changed.append("devices")
+        if changed:
+            raise ConfigError(f"not reloaded: {', '.join(changed)} changed, which needs a "
+                              f"restart; the running config keeps serving")
+        worker = await self.supervisor.wait_up(self.wait_s)
+        if worker is None:
+            raise ConfigError("not reloaded: no worker is answering")
+        r = await worker.client.post("/internal/reconfigure", content=new.model_dump_json(),
+                                     timeout=self.wait_s + 30)
+        body = r.json()
+        if r.status_code != 200:
+            raise ConfigError(f"not reloaded: {body['error']['message']}")
+        self.config = new
+        self.supervisor.config = new
+        _event_log.info(json.dumps({"ts": round(time.time(), 3), "kind": "reload", **body},
+                                   sort_keys=True))
+        return {"status": "reloaded", **body}
+
+
+def create_front_app(front: Front) -> Starlette:
+    supervisor = front.supervisor
+
+    async def healthz(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "worker": supervisor.view()})
+
+    async def readyz(request: Request) -> Response:
+        if front.draining:
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": "5"})
+        worker = supervisor.current
+        if worker is None or not worker.up.is_set() or worker.dead.done():
+            return JSONResponse({"status": "not_ready", "worker": supervisor.state.value},
+                                status_code=503)
+        return await proxy(request)
+
+    async def metrics(_: Request) -> Response:
+        text = b""
+        worker = await supervisor.wait_up(0)
+        if worker is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                text = (await worker.client.get("/metrics", timeout=10)).content
+        return Response(text + front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def summary(request: Request) -> Response:
+        response = await proxy(request)
+        if response.status_code != 200 or not isinstance(response.body, bytes):
+            return response
+        data = json.loads(response.body)
+        data["worker"] = supervisor.view()
+        data["crashes"] = [c.as_dict() for c in reversed(supervisor.crashes)]
+        return JSONResponse(data, headers={"x-request-id": REQUEST_ID.get()})
+
+    async def reload(_: Request) -> JSONResponse:
+        try:
+            return JSONResponse(await front.reload())
+        except ConfigError as exc:
+            return JSONResponse(error_body(exc.message, "invalid_request_error",
+                                           code="config_not_reloaded"), status_code=400)
+
+    async def proxy(request: Request) -> Response:
+        if request.url.path.startswith("/internal/"):
+            return _error(404, f"no route {request.url.path}", "not_found_error", "not_found")
+        if front.draining:
+            return _error(503, "packserve is shutting down; retry on another replica or in a "
+                          "few seconds", "server_draining", "draining", retry_after=5)
+        body = await request.body()
+        call = _Call(request, body, REQUEST_ID.get())
+        stack = contextlib.ExitStack()
+        stack.enter_context(front.tracked())
+        try:
+            response = await _forward(front, call)
+        except BaseException:
+            stack.close()
+            raise
+        if isinstance(response, StreamingResponse):
+            # Ends when the stream does, however it ends (the relay's finally, or after it).
+            response.background = BackgroundTask(stack.close)
+            call.on_stream_end = stack.close
+        else:
+            stack.close()
+            match = _ADMIN_LOAD.match(request.url.path)
+            if match and request.method == "POST" and response.status_code == 200:
+                supervisor.cleared(match["name"])
+        return response
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = "request_too_large" if exc.status_code == 413 else str(exc.status_code)
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", code)
+
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("front failed: %s", exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None)
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    return Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/metrics/summary", summary, methods=["GET"]),
+            Route("/v1/admin/reload", reload, methods=["POST"]),
+            Route("/{path:path}", proxy, methods=methods),
+        ],
+        middleware=[
+            Middleware(RequestId),
+            Middleware(BodyLimit, max_bytes=front.config.server.max_request_bytes),
+            Middleware(CancelOnDisconnect),
+        ],
+        exception_handlers={StarletteHTTPException: http_error, Exception: unexpected},
+    )
+
+
+class _Call:
+    """One client request, as it will be sent (and maybe sent again) to a worker."""
+
+    def __init__(self, request: Request, body: bytes, rid: str) -> None:
+        self.method = request.method
+        self.target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        self.body = body
+        self.rid = rid
+        self.headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP
+                        and k.lower() != b"x-request-id"]
+        self.headers.append((b"x-request-id", rid.encode("latin-1")))
+        self.model = _model_of(request.url.path, body)
+        self.on_stream_end: Callable[[], None] | None = None
+
+
+def _model_of(path: str, body: bytes) -> str:
+    match = _ADMIN_LOAD.match(path)
+    if match:
+        return match["name"]
+    if body[:1] == b"{":
+        with contextlib.suppress(ValueError):
+            value = json.loads(body)
+            model = value.get("model") if isinstance(value, dict) else None
+            if isinstance(model, str):
+                return model[:128]
+    return ""
+
+
+async def _forward(front: Front, call: _Call) -> Response:
+    """Send `call` to the worker; after a crash, fail it or send it once more (Crash.fails)."""
+    supervisor = front.supervisor
+    attempt = 0
+    while True:
+        worker = await supervisor.wait_up(front.wait_s)
+        if worker is None:
+            why = supervisor.config_error or f"no worker answered within {front.wait_s:.0f}s"
+            return _error(503, f"packserve cannot serve this now: {why}", "model_unavailable",
+                          "worker_unavailable", retry_after=5)
+        try:
+            return await _send(front, worker, call)
+        except httpx.TransportError:
+            verdict = await _after_failure(front, worker, call, attempt)
+            if verdict is not None:
+                return verdict
+            attempt += 1
+
+
+async def _send(front: Front, worker: Worker, call: _Call) -> Response:
+    """One try. A stream's response starts as soon as the worker's does (its lease is taken);
+    anything else is read whole first, so a crash before the end can still be answered."""
+    request = worker.client.build_request(call.method, call.target, headers=call.headers,
+                                          content=call.body)
+    upstream = await worker.client.send(request, stream=True)
+    headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _HOP]
+    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+        stream = StreamingResponse(_relay(front, worker, call, upstream),
+                                   status_code=upstream.status_code)
+        stream.raw_headers = headers
+        return stream
+    try:
+        content = await upstream.aread()
+    finally:
+        await upstream.aclose()
+    response = Response(content, status_code=upstream.status_code)
+    response.raw_headers = [*headers, (b"content-length", str(len(content)).encode())]
+    return response
+
+
+async def _after_failure(front: Front, worker: Worker, call: _Call,
+                         attempt: int) -> Response | None:
+    """The connection to `worker` broke: a 503 for this request, or None to send it again."""
+    try:
+        crash = await front.supervisor.death_of(worker)
+    except WorkerAlive:
+        return _error(502, "the connection to packserve's worker failed while it stayed up",
+                      "server_error", "worker_connection_failed")
+    if crash is None:  # stopping
+        return _error(503, "packserve is shutting down", "server_draining", "draining",
+                      retry_after=5)
+    model = call.model or "(none)"
+    run = crash.fails(call.rid)
+    if run is not None:
+        front.metrics.after_crash.labels(model=model, outcome="failed").inc()
+        return _error(503, _crash_message(crash, run.model, run.task), "model_unavailable",
+                      "engine_crashed", retry_after=1)
+    if attempt >= 1:
+        front.metrics.after_crash.labels(model=model, outcome="failed").inc()
+        return _error(503, f"packserve's worker died ({crash.cause}) again while this request "
+                      f"waited; it was already sent again once", "model_unavailable",
+                      "engine_crashed", retry_after=1)
+    front.metrics.after_crash.labels(model=model, outcome="retried").inc()
+    log.info("request %s (%s) sent again after the worker died (%s)", call.rid, model,
+             crash.cause)
+    return None
+
+
+def _crash_message(crash: Crash, model: str, task: str) -> str:
+    tail = (f"; {model} is now failed until an operator loads it (second crash within "
+            f"crash_window_s)" if model in crash.quarantined else
+            "; the other models are being restored")
+    return (f"model {model!r}'s engine crashed ({crash.cause}) while running this {task} "
+            f"request; a {task} is not sent again because it may not repeat{tail}")
+
+
+async def _relay(front: Front, worker: Worker, call: _Call,
+                 upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """Relay a worker's event stream. If the worker dies mid-stream: an error event, then end."""
+    tail = b"\n\n"
+    try:
+        async for chunk in upstream.aiter_raw():
+            if chunk:
+                tail = chunk[-2:]
+                yield chunk
+    except httpx.TransportError:
+        try:
+            crash = await front.supervisor.death_of(worker)
+        except WorkerAlive:
+            crash = None
+        if crash is not None:
+            run = crash.fails(call.rid)
+            front.metrics.after_crash.labels(model=call.model or "(none)",
+                                             outcome="failed").inc()
+            message = _crash_message(crash, run.model if run else call.model,
+                                     run.task if run else "streamed")
+            code = "engine_crashed"
+        else:
+            message, code = "the connection to packserve's worker broke mid-stream", \
+                "worker_connection_failed"
+        prefix = b"" if tail == b"\n\n" else b"\n\n"
+        payload = json.dumps(error_body(message, "model_unavailable", code=code))
+        yield prefix + f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await upstream.aclose()
+        if call.on_stream_end is not None:
+            call.on_stream_end()
+
+
+def _error(status: int, message: str, type_: str, code: str | None, *,
+           retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse(error_body(message, type_, code=code), status_code=status,
+                        headers=headers)
+
+
+class _FrontServer(uvicorn.Server):
+    """uvicorn, minus its own signal handling: the front drains on SIGTERM/SIGINT instead of
+    closing the socket at once."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def run_front(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Serve `config`: start the worker, open the port at once, drain on SIGTERM or SIGINT,
+    reload on SIGHUP. Returns the exit status."""
+    metrics = FrontMetrics()
+    supervisor = Supervisor(config, on_crash=metrics.on_crash,
+                            on_start=metrics.worker_starts.inc)
+    front = Front(config, supervisor, metrics, reload)
+    app = create_front_app(front)
+    server = _FrontServer(uvicorn.Config(
+        app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+        lifespan="off", timeout_graceful_shutdown=2))
+    loop = asyncio.get_running_loop()
+    status = 0
+    draining: asyncio.Task[None] | None = None
+
+    async def drain(signame: str) -> None:
+        front.draining = True
+        drain_s = front.config.server.drain_s
+        log.info("%s: draining; %d requests in flight get up to %.0fs", signame,
+                 front.in_flight, drain_s)
+        t0 = time.monotonic()
+        idle = await front.wait_idle(drain_s)
+        log.info("drained in %.2fs%s", time.monotonic() - t0,
+                 "" if idle else f"; {front.in_flight} requests were still running")
+        await supervisor.stop()
+        server.should_exit = True
+
+    def on_stop(signame: str) -> None:
+        nonlocal draining
+        if draining is None:
+            draining = asyncio.create_task(drain(signame))
+        else:  # a second signal: stop waiting
+            log.warning("%s again: stopping now", signame)
+            server.force_exit = server.should_exit = True
+
+    def on_hup() -> None:
+        async def run() -> None:
+            try:
+                result = await front.reload()
+                log.info("SIGHUP: config reloaded: %s", result)
+            except ConfigError as exc:
+                log.error("SIGHUP: %s", exc.message)
+        asyncio.create_task(run())  # noqa: RUF006 - logs its own outcome
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop, sig.name)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+
+    async def watch_config_error() -> None:
+        nonlocal status
+        await supervisor.refused.wait()
+        status = 2
+        server.should_exit = True
+
+    await supervisor.start()
+    watcher = asyncio.create_task(watch_config_error())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        if draining is None or not draining.done():
+            await supervisor.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+    return status

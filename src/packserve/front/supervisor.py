@@ -1,0 +1,388 @@
+"""The front's supervisor: starts the worker process that holds the models, knows which models'
+engines are running, charges a crash to them, and starts a new worker.
+
+One worker at a time. Each start is a *generation*; a `Worker` is one generation's process, its
+socket and its client. The worker tells the supervisor, over a pipe, when an engine call starts
+and ends (packserve.worker.ControlChannel), so the supervisor can say who was running when the
+process died, whatever killed it (a native fault, the OOM killer, an operator's kill).
+
+Invariants: everything here runs on the front's event loop; `Supervisor.current` is the newest
+generation; a `Worker.dead` future is resolved exactly once, after the process has exited and
+its pipe has been read to the end, so a crash's charge never misses a line written before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from packserve.config import Config
+from packserve.worker import (
+    ENV_CONFIG,
+    ENV_CONTROL_FD,
+    ENV_QUARANTINE,
+    ENV_SOCKET,
+    EXIT_CONFIG,
+)
+
+log = logging.getLogger("packserve.front")
+_event_log = logging.getLogger("packserve.events")
+
+# Restarts of a worker that dies before it answers back off from this, doubling, to the cap.
+RESTART_BACKOFF_S = (0.5, 30.0)
+GENERATION_TASKS = frozenset({"chat", "complete"})
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"  # spawned, not answering yet
+    UP = "up"
+    RESTARTING = "restarting"  # died; a new one is on its way
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Running:
+    """An engine call the worker said was running: a request's, or a load's (rid empty)."""
+
+    model: str
+    task: str  # chat, complete, embed, rerank, or "load"
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A worker's death, and whom it is charged to."""
+
+    generation: int
+    pid: int
+    cause: str  # "SIGSEGV", "SIGKILL", "exit status 1"
+    at: float  # wall clock
+    running: dict[str, Running]  # request id -> what it was running, at the moment of death
+    charged: tuple[str, ...]  # models whose engine call (or load) was running
+    quarantined: tuple[str, ...]  # charged twice within crash_window_s: failed until loaded
+
+    def fails(self, rid: str) -> Running | None:
+        """The engine call `rid` was running if it cannot be sent again: a generation (not safe
+        to repeat: it may have streamed, and sampling is not repeatable). Embeddings and
+        reranks are safe to repeat; requests that were queued or waiting for a load too."""
+        run = self.running.get(rid)
+        return run if run is not None and run.task in GENERATION_TASKS else None
+
+    def as_dict(self) -> dict[str, object]:
+        return {"generation": self.generation, "pid": self.pid, "signal": self.cause,
+                "ts": round(self.at, 3), "models": list(self.charged),
+                "quarantined": list(self.quarantined),
+                "requests_running": sorted(self.running)}
+
+
+@dataclass(eq=False)
+class Worker:
+    """One generation of the worker process."""
+
+    generation: int
+    proc: asyncio.subprocess.Process
+    socket_path: Path
+    client: httpx.AsyncClient
+    started_at: float
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+    dead: asyncio.Future[Crash | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    running: dict[str, Running] = field(default_factory=dict)
+    loading: dict[str, int] = field(default_factory=dict)
+    pipe_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def on_line(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return
+        kind = msg.get("k")
+        if kind == "start":
+            self.running[msg["rid"]] = Running(model=msg["model"], task=msg["task"])
+        elif kind == "end":
+            self.running.pop(msg["rid"], None)
+        elif kind == "load":
+            self.loading[msg["model"]] = self.loading.get(msg["model"], 0) + 1
+        elif kind == "loaded":
+            left = self.loading.get(msg["model"], 0) - 1
+            if left > 0:
+                self.loading[msg["model"]] = left
+            else:
+                self.loading.pop(msg["model"], None)
+
+
+class WorkerGone(Exception):
+    """The worker this request was sent to died (`crash`), or stopped (`crash` is None)."""
+
+    def __init__(self, crash: Crash | None) -> None:
+        super().__init__(crash.cause if crash else "worker stopped")
+        self.crash = crash
+
+
+class Supervisor:
+    """Starts, watches and restarts the worker. Construct, then `await start()` on the loop."""
+
+    def __init__(self, config: Config, *, python: str = sys.executable,
+                 on_crash: Callable[[Crash], None] | None = None,
+                 on_start: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._python = python
+        self._on_crash = on_crash
+        self._on_start = on_start
+        self._clock = clock
+        self._dir = Path(tempfile.mkdtemp(prefix="packserve-"))
+        self._generation = 0
+        self.current: Worker | None = None
+        self.state = WorkerState.STOPPED
+        self._stopping = False
+        self._early_deaths = 0
+        self.crashes: deque[Crash] = deque(maxlen=50)
+        self._charges: dict[str, deque[float]] = {}
+        self.quarantined: dict[str, str] = {}
+        self.config_error: str | None = None  # the worker refused its config at start
+        self.refused = asyncio.Event()  # set with config_error
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await self._spawn()
+
+    async def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the worker (it finishes what it serves, unloads its models, exits), then
+        SIGKILL it after `grace_s`."""
+        self._stopping = True
+        worker = self.current
+        self.state = WorkerState.STOPPED
+        self._notify()
+        if worker is not None and worker.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.terminate()
+            try:
+                await asyncio.wait_for(worker.proc.wait(), grace_s)
+            except TimeoutError:
+                log.warning("worker %d did not stop within %.0fs; killing it", worker.pid,
+                            grace_s)
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
+                await worker.proc.wait()
+        if worker is not None:
+            with contextlib.suppress(Exception):
+                await worker.client.aclose()
+        for task in list(self._tasks):
+            task.cancel()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def wait_up(self, within_s: float) -> Worker | None:
+        """The current worker once it answers; None if none does within `within_s` or we stop."""
+        deadline = self._clock() + within_s
+        while not self._stopping:
+            worker = self.current
+            if worker is not None and worker.up.is_set() and not worker.dead.done():
+                return worker
+            left = deadline - self._clock()
+            if left <= 0:
+                return None
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+        return None
+
+    async def death_of(self, worker: Worker, within_s: float = 5.0) -> Crash | None:
+        """Wait for `worker` to be confirmed dead (a connection error usually comes first)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(worker.dead), within_s)
+        except TimeoutError:
+            raise WorkerAlive(worker.pid) from None
+
+    def cleared(self, model: str) -> None:
+        """An operator loaded `model`: it is no longer quarantined, its charges are forgiven."""
+        self.quarantined.pop(model, None)
+        self._charges.pop(model, None)
+
+    def view(self) -> dict[str, object]:
+        worker = self.current
+        return {"state": self.state.value, "pid": worker.pid if worker else None,
+                "generation": self._generation, "crashes": len(self.crashes),
+                "quarantined": dict(self.quarantined)}
+
+    # ------------------------------------------------------------------ internals
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _spawn(self) -> None:
+        self._generation += 1
+        gen = self._generation
+        config_path = self._dir / f"config-{gen}.json"
+        config_path.write_text(self.config.model_dump_json(), "utf-8")
+        socket_path = self._dir / f"worker-{gen}.sock"
+        read_fd, write_fd = os.pipe()
+        env = {**os.environ, ENV_CONFIG: str(config_path), ENV_SOCKET: str(socket_path),
+               ENV_CONTROL_FD: str(write_fd), ENV_QUARANTINE: json.dumps(self.quarantined)}
+        try:
+            # Its own session: a Ctrl-C in the terminal reaches the front, which drains and
+            # then stops the worker, instead of killing both at once.
+            proc = await asyncio.create_subprocess_exec(
+                self._python, "-m", "packserve.worker", env=env, pass_fds=(write_fd,),
+                start_new_session=True)
+        finally:
+            os.close(write_fd)
+        # One connection per request: a keep-alive connection that the worker closes (uvicorn
+        # does after an unhandled error) would fail the next request sent on it, and opening
+        # a Unix socket costs microseconds.
+        client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(
+                uds=str(socket_path), limits=httpx.Limits(max_keepalive_connections=0)),
+            base_url="http://packserve-worker", timeout=None)
+        worker = Worker(generation=gen, proc=proc, socket_path=socket_path, client=client,
+                        started_at=self._clock())
+        self.current = worker
+        self.state = WorkerState.STARTING if gen == 1 else WorkerState.RESTARTING
+        self._notify()
+        log.info("worker %d started (pid %d)", gen, proc.pid)
+        if self._on_start is not None:
+            self._on_start()
+        self._spawn_task(self._read_pipe(worker, read_fd))
+        self._spawn_task(self._watch(worker))
+        self._spawn_task(self._wait_answering(worker))
+
+    async def _read_pipe(self, worker: Worker, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0))
+        try:
+            while line := await reader.readline():
+                worker.on_line(line)
+        finally:
+            transport.close()
+            worker.pipe_done.set()
+
+    async def _wait_answering(self, worker: Worker) -> None:
+        while not worker.dead.done() and not self._stopping:
+            try:
+                r = await worker.client.get("/healthz", timeout=2.0)
+                if r.status_code == 200:
+                    worker.up.set()
+                    self._early_deaths = 0
+                    if self.current is worker:
+                        self.state = WorkerState.UP
+                    self._notify()
+                    log.info("worker %d answering after %.2fs", worker.generation,
+                             self._clock() - worker.started_at)
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.05)
+
+    async def _watch(self, worker: Worker) -> None:
+        rc = await worker.proc.wait()
+        # The pipe closes when the process is gone; read what it wrote before dying.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(worker.pipe_done.wait(), 2.0)
+        with contextlib.suppress(Exception):
+            await worker.client.aclose()
+        with contextlib.suppress(OSError):
+            worker.socket_path.unlink()
+        if self._stopping:
+            worker.dead.set_result(None)
+            self._notify()
+            return
+        if rc == EXIT_CONFIG and not worker.up.is_set():
+            self.config_error = "the worker refused its config (see the log above)"
+            self.refused.set()
+            self.state = WorkerState.STOPPED
+            self._stopping = True
+            worker.dead.set_result(None)
+            self._notify()
+            return
+        crash = self._charge(worker, rc)
+        worker.dead.set_result(crash)
+        self._notify()
+        if self._on_crash is not None:
+            self._on_crash(crash)
+        if worker.up.is_set():
+            delay = 0.0
+        else:
+            self._early_deaths += 1
+            low, high = RESTART_BACKOFF_S
+            delay = min(high, low * 2 ** (self._early_deaths - 1))
+        if delay:
+            log.warning("worker %d died before answering; next start in %.1fs",
+                        worker.generation, delay)
+            await asyncio.sleep(delay)
+        if not self._stopping:
+            await self._spawn()
+
+    def _charge(self, worker: Worker, rc: int) -> Crash:
+        cause = _cause(rc)
+        now = self._clock()
+        charged: dict[str, str] = {}
+        for run in worker.running.values():
+            charged.setdefault(run.model, f"serving {run.task}")
+        for label in worker.loading:
+            for name in label.split("+"):
+                charged.setdefault(name, "loading")
+        quarantined = []
+        window = self.config.server.crash_window_s
+        for model, doing in charged.items():
+            times = self._charges.setdefault(model, deque(maxlen=8))
+            times.append(now)
+            if len(times) >= 2 and times[-1] - times[-2] <= window:
+                self.quarantined[model] = f"engine crashed: {cause} while {doing}"
+                quarantined.append(model)
+        crash = Crash(generation=worker.generation, pid=worker.pid, cause=cause, at=time.time(),
+                      running=dict(worker.running), charged=tuple(charged),
+                      quarantined=tuple(quarantined))
+        self.crashes.append(crash)
+        _event_log.info(json.dumps({"ts": round(crash.at, 3), "kind": "crash",
+                                    "signal": cause, "pid": worker.pid,
+                                    "models": list(charged), "doing": charged,
+                                    "quarantined": quarantined,
+                                    "requests_running": sorted(worker.running)},
+                                   sort_keys=True))
+        log.error("worker %d (pid %d) died: %s; charged: %s%s", worker.generation, worker.pid,
+                  cause, ", ".join(f"{m} ({d})" for m, d in charged.items()) or "nobody",
+                  f"; quarantined: {', '.join(quarantined)}" if quarantined else "")
+        return crash
+
+
+class WorkerAlive(Exception):
+    """A connection to the worker failed, yet the worker did not die."""
+
+
+def _cause(rc: int) -> str:
+    if rc < 0:
+        try:
+            return signal.Signals(-rc).name
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit status {rc}"

@@ -1,0 +1,155 @@
+"""The worker process: it holds the scheduler and every engine, and serves the whole packserve
+app on a Unix socket that only the front process talks to.
+
+The front (packserve.front) starts it with `python -m packserve.worker` and these variables:
+
+- `PACKSERVE_WORKER_CONFIG`: a file holding the validated config as JSON;
+- `PACKSERVE_WORKER_SOCKET`: the Unix socket to serve on;
+- `PACKSERVE_CONTROL_FD`: a pipe to the front. Before a model's engine is called (a request's
+  lease starts, a load starts) and after, the worker writes one JSON line there, so that if the
+  process dies the front knows which models' engines were running: those are charged with the
+  crash; every other request is safe to send again;
+- `PACKSERVE_QUARANTINE`: JSON `{model: reason}`, models charged with repeated crashes, which
+  stay failed until an operator loads them.
+
+Nothing else starts it. It dies with the front (PR_SET_PDEATHSIG), and writes Python's own
+traceback of every thread to stderr if it crashes in native code (faulthandler).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves the route's annotations here
+
+ENV_CONFIG = "PACKSERVE_WORKER_CONFIG"
+ENV_SOCKET = "PACKSERVE_WORKER_SOCKET"
+ENV_CONTROL_FD = "PACKSERVE_CONTROL_FD"
+ENV_QUARANTINE = "PACKSERVE_QUARANTINE"
+
+# The worker's exit status when its config cannot be served (a source missing, pins that do
+# not fit): the front stops instead of restarting it.
+EXIT_CONFIG = 2
+
+log = logging.getLogger("packserve.worker")
+
+
+class ControlChannel:
+    """The worker's half of the pipe to the front: one JSON line per engine call start/end.
+
+    Lines are under PIPE_BUF (4 KiB) so each write is atomic; writes happen on the event loop
+    thread, before the engine is called, so the front has the line if the engine then crashes.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def send(self, message: dict[str, str]) -> None:
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()[:4000]
+        try:
+            os.write(self._fd, data)
+        except OSError as exc:  # the front is gone; PR_SET_PDEATHSIG will end us
+            log.warning("control pipe write failed: %s", exc)
+
+    def on_event(self, event: object) -> None:
+        from packserve.core.events import (
+            LoadEvent,
+            LoadFailedEvent,
+            LoadStartEvent,
+            RequestEvent,
+            RequestStartEvent,
+        )
+
+        if isinstance(event, RequestStartEvent):
+            self.send({"k": "start", "rid": event.request_id, "model": event.model,
+                       "task": event.task})
+        elif isinstance(event, RequestEvent) and event.started:
+            self.send({"k": "end", "rid": event.request_id})
+        elif isinstance(event, LoadStartEvent):
+            self.send({"k": "load", "model": event.model})
+        elif isinstance(event, LoadEvent | LoadFailedEvent):
+            self.send({"k": "loaded", "model": event.model})
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the front dies, however it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the front's stop() still ends us
+        return
+    if os.getppid() == 1:  # the front died before prctl took effect
+        sys.exit(0)
+
+
+def main() -> int:
+    _die_with_parent()
+    faulthandler.enable()
+    from packserve.cli import configure_logging
+    from packserve.config import Config
+    from packserve.errors import ConfigError
+
+    config = Config.model_validate_json(Path(os.environ[ENV_CONFIG]).read_text("utf-8"))
+    configure_logging(config.server.log_level)
+    quarantine: dict[str, str] = json.loads(os.environ.get(ENV_QUARANTINE) or "{}")
+    control = ControlChannel(int(os.environ[ENV_CONTROL_FD]))
+    try:
+        return asyncio.run(_serve(config, os.environ[ENV_SOCKET], control, quarantine))
+    except ConfigError as exc:
+        print(f"packserve: {exc.message}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+async def _serve(config: Any, socket_path: str, control: ControlChannel,
+                 quarantine: dict[str, str]) -> int:
+    import uvicorn
+    from fastapi.responses import JSONResponse
+
+    from packserve.api.app import create_app
+    from packserve.api.asgi import error_body
+    from packserve.config import Config
+    from packserve.core.events import log_event
+    from packserve.errors import ConfigError
+    from packserve.server import build_entries, build_scheduler, build_telemetry
+
+    assert isinstance(config, Config)
+    scheduler = build_scheduler(config, sinks=(log_event, control.on_event))
+    for name, reason in quarantine.items():
+        if name in scheduler.model_names():
+            scheduler.quarantine(name, reason)
+    telemetry = build_telemetry(config, scheduler)
+    app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
+                     background_start=True)
+
+    @app.post("/internal/reconfigure", include_in_schema=False)
+    async def reconfigure(request: Request) -> JSONResponse:
+        """Called by the front only (it never proxies /internal/) after it validated the file."""
+        try:
+            new = Config.model_validate_json(await request.body())
+            entries = await asyncio.to_thread(build_entries, new)
+            report = await scheduler.reconfigure(entries)
+        except ConfigError as exc:
+            return JSONResponse(error_body(exc.message, "invalid_request_error",
+                                           code="invalid_config"), status_code=400)
+        return JSONResponse({"added": list(report.added), "removed": list(report.removed),
+                             "changed": list(report.changed)})
+
+    server = uvicorn.Server(uvicorn.Config(
+        app, uds=socket_path, log_level=config.server.log_level, lifespan="on",
+        timeout_graceful_shutdown=max(1, int(config.server.drain_s))))
+    await server.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

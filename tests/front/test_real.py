@@ -1,0 +1,106 @@
+"""The front and worker with real engines: a native crash mid-generation, and a client that drops
+a long stream. Figures are printed (pytest -s), never asserted as timings; the one ratio checked
+is measured side by side in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from packserve.config import default_catalog_text
+from tests.front.procs import Served, serve_process
+
+pytestmark = pytest.mark.real
+
+CHAT = "/v1/chat/completions"
+SMOL = "smollm2-135m-instruct"
+MINILM = "all-minilm-l6-v2"
+STORY = {"model": SMOL, "max_tokens": 1500, "temperature": 0.8, "seed": 7, "stream": True,
+         "messages": [{"role": "user", "content": "Write a very long story about a lighthouse "
+                       "keeper, with many chapters."}]}
+
+
+@pytest.fixture(scope="module")
+def real_served(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("front-real")
+    text = default_catalog_text().replace(
+        "[server]", f'[server]\ndata_dir = "{models_dir}"\ndrain_s = 10', 1)
+    config = tmp / "packserve.toml"
+    config.write_text(text, "utf-8")
+    with serve_process(config, tmp, "--models", f"{MINILM},{SMOL}") as srv:
+        yield srv
+
+
+def metric(srv: Served, name: str, **labels: str) -> float:
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_client_that_drops_a_stream_frees_its_slot_at_once(real_served: Served) -> None:
+    srv = real_served
+    with srv.client() as c:
+        assert c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 4}).status_code == 200
+        aborted_before = metric(srv, "packserve_requests_total", model=SMOL, code="499")
+        pieces = 0
+        t0 = time.monotonic()
+        with c.stream("POST", CHAT, json=STORY) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    pieces += 1
+                    if pieces == 40:
+                        break
+        rate = pieces / (time.monotonic() - t0)  # tokens/s of this stream, load included
+        would_finish_s = (STORY["max_tokens"] - pieces) / rate  # type: ignore[operator]
+        t_drop = time.monotonic()
+        r2 = c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 8})
+        next_done_s = time.monotonic() - t_drop
+    assert r2.status_code == 200
+    print(f"\ndropped a stream after {pieces} tokens ({rate:.0f} tokens/s); it would have run "
+          f"{would_finish_s:.1f}s more; the next chat answered after {next_done_s:.2f}s")
+    assert next_done_s < would_finish_s / 2
+    deadline = time.monotonic() + 10
+    while metric(srv, "packserve_requests_total", model=SMOL, code="499") <= aborted_before:
+        assert time.monotonic() < deadline, "the dropped stream was not counted as 499"
+        time.sleep(0.05)
+
+
+def test_sigsegv_mid_generation_with_real_engines(real_served: Served) -> None:
+    srv = real_served
+    with srv.client() as c:
+        assert c.post("/v1/embeddings", json={"model": MINILM, "input": "warm"}).status_code == 200
+        pid = srv.worker_pid()
+        lines = []
+        with c.stream("POST", CHAT, json=STORY) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                lines.append(line)
+                if len(lines) == 10:
+                    os.kill(pid, signal.SIGSEGV)
+                    t_crash = time.monotonic()
+        # The stream ended with an error event naming the model and the signal.
+        error = json.loads(lines[-2].removeprefix("data: "))
+        assert lines[-1] == "data: [DONE]"
+        assert "SIGSEGV" in error["error"]["message"] and SMOL in error["error"]["message"]
+        # MiniLM was hot: its first answer after the crash measures the recovery.
+        r = c.post("/v1/embeddings", json={"model": MINILM, "input": "back?"})
+        recovery_s = time.monotonic() - t_crash
+        assert r.status_code == 200
+        chat = c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 8})
+        assert chat.status_code == 200
+    assert srv.worker_pid() != pid
+    crash = srv.events("crash")[-1]
+    assert crash["signal"] == "SIGSEGV" and crash["models"] == [SMOL]
+    print(f"\nrecovery: first embedding from {MINILM} {recovery_s:.2f}s after SIGSEGV "
+          f"(worker start + MiniLM load)")

@@ -1,0 +1,279 @@
+"""The installed llama.cpp is the portable build: no AMX tiles, no AVX-512 (issue 8, section 1).
+
+A llama.cpp compiled with GGML_NATIVE on a Xeon with AMX kills the server with SIGILL on the
+first multi-token chat (the AMX kernels run on OpenMP threads that never asked the kernel for
+the tile permission), and one compiled on an AVX-512 machine dies the same way on a machine
+without AVX-512. scripts/setup.sh builds for the AVX2/FMA/F16C/BMI2 baseline; these tests read
+the machine code of every native library in the installed `llama_cpp` package (with objdump,
+without importing llama_cpp) and fail on the first instruction outside it, naming the library,
+the function and the instruction. The matcher is tested on its own, on sample text and on the
+real output of `as` + `objdump`, so that a passing scan means something.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+OBJDUMP = ("objdump", "-d", "--no-show-raw-insn")
+SHOWN = 8  # offending instructions named per library in a failure message
+
+# AMX: every tile instruction (AMX-TILE, -INT8, -BF16, -FP16, -COMPLEX) and any tile register.
+AMX_MNEMONICS = frozenset({
+    "tilezero", "tileloadd", "tileloaddt1", "tilestored", "tilerelease", "ldtilecfg",
+    "sttilecfg", "tdpbssd", "tdpbsud", "tdpbusd", "tdpbuud", "tdpbf16ps", "tdpfp16ps",
+    "tcmmimfp16ps", "tcmmrlfp16ps",
+})
+AMX_PREFIXES = ("tile", "tdp", "tcmm")
+AMX_OPERANDS = re.compile(r"%tmm\d")
+
+# AVX-512: a zmm register, an opmask register (`{%k1}`, `kmovw %k1,...`), xmm/ymm 16-31,
+# embedded broadcast, zeroing, embedded rounding / suppress-all-exceptions ...
+AVX512_OPERANDS = re.compile(
+    r"%zmm\d|%k[0-7]\b|%[xy]mm(?:1[6-9]|2\d|3[01])\b|\{1to\d+\}|\{z\}|\{r[nduz]-sae\}|\{sae\}")
+# ... or an instruction that exists only as EVEX (AVX-512VL forms on xmm/ymm 0-15).
+AVX512_MNEMONICS = re.compile(r"""(?x)
+    vpternlog[dq] | vperm[it]2(?:b|w|d|q|ps|pd) | vpro[lr]v?[dq] | vp?compress(?:p[sd]|[bwdq])
+  | vp?expand(?:p[sd]|[bwdq]) | vpconflict[dq] | vplzcnt[dq] | vrndscale[ps][sd] | vrange[ps][sd]
+  | vreduce[ps][sd] | vgetexp[ps][sd] | vgetmant[ps][sd] | vscalef[ps][sd] | vfixupimm[ps][sd]
+  | vfpclass[ps][sd][xyz]? | vrcp(?:14|28)[ps][sd] | vrsqrt(?:14|28)[ps][sd] | vexp2p[sd]
+  | vpmovm2[bwdq] | vpmov[bwdq]2m | vpmov(?:us|s)?(?:qb|qw|qd|db|dw|wb)
+  | v(?:extract|insert)[if](?:32x4|32x8|64x2|64x4) | vbroadcast[if](?:32x2|32x4|32x8|64x2|64x4)
+  | vshuf[if](?:32x4|64x2) | valign[dq] | vpabsq | vp(?:max|min)[su]q | vpsrav?q | vpmullq
+  | vcvtt?p[sd]2u?qq[xy]? | vcvtt?[ps][sd]2u(?:dq|si)[xy]? | vcvtu(?:dq|qq|si)2[ps][sd][xy]?
+  | vcvtqq2p[sd][xy]? | vmovdq[au](?:8|16|32|64) | vp(?:and|andn|or|xor)[dq] | vperm[bw]
+  | vpmultishiftqb | vpsh[lr]dv?[wdq] | vpopcnt[bwdq] | v(?:gather|scatter)pf[01][dq]p[sd]
+  | vpscatter[dq][dq] | vscatter[dq]p[sd] | vdbpsadbw | vps(?:ll|rl|ra)vw | vpshufbitqmb
+  | vptestn?m[bwdq] | vpcmpu?[bwdq] | vpblendm[bwdq] | vblendmp[sd] | vpbroadcastm(?:b2q|w2d)
+  | vcvtne2ps2bf16 | vdpbf16ps
+""")
+# These are AVX-512 as EVEX, and AVX-VNNI / AVX-IFMA / AVX-NE-CONVERT when objdump prints
+# `{vex}` before them: only the former is flagged.
+AVX512_UNLESS_VEX = re.compile(r"vpdp(?:busd|wssd)s? | vpmadd52[lh]uq | vcvtneps2bf16", re.X)
+
+_PREFIXES = frozenset({"lock", "rep", "repz", "repnz", "repe", "repne", "notrack", "bnd",
+                       "data16", "addr32", "cs", "ds", "es", "fs", "gs", "ss", "xacquire",
+                       "xrelease", "rex", "rex.w"})
+_INSN = re.compile(r"^\s*([0-9a-f]+):\t(.*)$")
+_FUNC = re.compile(r"^[0-9a-f]+ <(.*)>:$")
+
+
+def classify(instruction: str) -> str | None:
+    """'amx', 'avx512' or None for one instruction as objdump prints it (AT&T syntax)."""
+    text = re.sub(r"<[^>]*>", "", instruction.split("#", 1)[0])  # comment, symbol names
+    tokens = text.split()
+    vex = False
+    while tokens and (tokens[0] in _PREFIXES or tokens[0].startswith("{")):
+        vex = vex or tokens[0].startswith("{vex")
+        tokens.pop(0)
+    if not tokens:
+        return None
+    mnemonic, operands = tokens[0], " ".join(tokens[1:])
+    if (mnemonic in AMX_MNEMONICS or mnemonic.startswith(AMX_PREFIXES)
+            or AMX_OPERANDS.search(operands)):
+        return "amx"
+    if (AVX512_OPERANDS.search(operands) or AVX512_MNEMONICS.fullmatch(mnemonic)
+            or (not vex and AVX512_UNLESS_VEX.fullmatch(mnemonic))):
+        return "avx512"
+    return None
+
+
+@dataclass
+class Scan:
+    """What one library's disassembly holds: instruction count and the offending ones."""
+
+    library: str
+    instructions: int = 0
+    ymm: int = 0  # instructions on ymm registers: the AVX2 baseline is really used
+    found: dict[str, list[str]] = field(default_factory=lambda: {"amx": [], "avx512": []})
+    counts: dict[str, int] = field(default_factory=lambda: {"amx": 0, "avx512": 0})
+
+
+def scan_disassembly(library: str, lines: Iterable[str]) -> Scan:
+    """Classify every instruction of objdump's output; keep the first few of each kind."""
+    scan, function = Scan(library), "?"
+    for line in lines:
+        m = _INSN.match(line)
+        if m is None:
+            f = _FUNC.match(line.strip())
+            if f is not None:
+                function = f.group(1)
+            continue
+        scan.instructions += 1
+        insn = m.group(2).strip()
+        if "%ymm" in insn:
+            scan.ymm += 1
+        kind = classify(insn)
+        if kind is not None:
+            scan.counts[kind] += 1
+            if len(scan.found[kind]) < SHOWN:
+                scan.found[kind].append(f"0x{m.group(1)} in {function}: {insn}")
+    return scan
+
+
+def objdump(path: Path, library: str) -> Scan:
+    with subprocess.Popen([*OBJDUMP, str(path)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        scan = scan_disassembly(library, proc.stdout)
+        err = proc.stderr.read()
+    if proc.returncode != 0:
+        pytest.fail(f"objdump failed on {path} (exit {proc.returncode}): {err.strip()}")
+    return scan
+
+
+def llama_libraries() -> list[Path]:
+    """Every native library of the installed llama_cpp package, one path per distinct file
+    (the wheel ships libfoo.so, libfoo.so.0 and libfoo.so.0.x.y as copies)."""
+    spec = importlib.util.find_spec("llama_cpp")  # finds it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llama_cpp is not installed in this environment: run scripts/setup.sh")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    seen: dict[str, Path] = {}
+    for path in sorted(folder.rglob("lib*.so*"), key=lambda p: (len(p.name), p.name)):
+        if path.is_file():
+            digest = hashlib.sha256(path.resolve().read_bytes()).hexdigest()
+            seen.setdefault(digest, path)
+    libs = sorted(seen.values())
+    if not any(p.name.startswith("libggml-cpu") or p.name.startswith("libggml.")
+               for p in libs) or not any(p.name.startswith("libllama") for p in libs):
+        pytest.fail(f"no llama.cpp libraries (libggml*, libllama*) under {folder}: found "
+                    f"{[p.name for p in libs]}; is llama-cpp-python built from source?")
+    return libs
+
+
+@pytest.fixture(scope="module")
+def scans() -> list[Scan]:
+    """One objdump of each installed llama.cpp library per session (a few seconds)."""
+    if shutil.which("objdump") is None:
+        pytest.fail("objdump is not on PATH: install binutils (apt-get install binutils) "
+                    "to check the llama.cpp build")
+    results = [objdump(p, p.name) for p in llama_libraries()]
+    for scan in results:
+        assert scan.instructions > 0, f"objdump printed no instructions for {scan.library}"
+    return results
+
+
+def offenders(scans: list[Scan], kind: str) -> str:
+    return "\n".join(
+        f"{s.library}: {s.counts[kind]} instructions, first:\n    " + "\n    ".join(s.found[kind])
+        for s in scans if s.counts[kind])
+
+
+def test_no_llama_library_contains_amx_tile_instructions(scans: list[Scan]) -> None:
+    bad = offenders(scans, "amx")
+    assert not bad, ("llama.cpp was built with AMX kernels (SIGILL on OpenMP threads on AMX "
+                     "Xeons, issue 8): rebuild it with scripts/setup.sh\n" + bad)
+
+
+def test_no_llama_library_contains_avx512_instructions(scans: list[Scan]) -> None:
+    bad = offenders(scans, "avx512")
+    assert not bad, ("llama.cpp was built with AVX-512 (SIGILL on machines without it): "
+                     "rebuild it with scripts/setup.sh\n" + bad)
+
+
+def test_the_cpu_library_uses_the_avx2_baseline(scans: list[Scan]) -> None:
+    # The scan really read machine code, and the build is not a slow pre-AVX2 one.
+    cpu = [s for s in scans if s.library.startswith(("libggml-cpu", "libggml."))]
+    assert sum(s.ymm for s in cpu) > 1000, [(s.library, s.ymm) for s in cpu]
+
+
+# --- the matcher itself --------------------------------------------------------------------
+
+SAMPLE = """\
+
+libggml-cpu.so:     file format elf64-x86-64
+
+
+Disassembly of section .text:
+
+0000000000013210 <_Z19tiled_run_microtileILi16ELb0ELi4ELb1EEv@plt>:
+   13210:\tjmp    *0x129eda(%rip)        # 13d0f0 <tiled_run_microtile@@Base+0xc40d0>
+
+00000000000a1000 <ggml_backend_amx_mul_mat>:
+   a1000:\tldtilecfg (%rax)
+   a1004:\ttilezero %tmm0
+   a1008:\ttileloadd (%rsi,%rdx,1),%tmm1
+   a100f:\ttdpbssd %tmm2,%tmm1,%tmm0
+   a1014:\ttilerelease
+   a1018:\tcall   a2000 <tilezero_helper>
+
+00000000000b2000 <ggml_vec_dot_q4_0_q8_0>:
+   b2000:\tvfmadd231ps %zmm1,%zmm2,%zmm0
+   b2006:\tvmovups (%rdi),%ymm0{%k1}{z}
+   b200c:\tkmovw  %eax,%k2
+   b2010:\tvaddps %ymm1,%ymm2,%ymm0
+   b2014:\tvfmadd231ps %ymm1,%ymm2,%ymm0
+   b2019:\tvpternlogd $0x96,%ymm2,%ymm1,%ymm0
+   b201f:\tvpxord %xmm17,%xmm17,%xmm17
+   b2025:\t{vex} vpdpbusd %ymm2,%ymm1,%ymm0
+   b202b:\tvpdpbusd %ymm2,%ymm1,%ymm0
+   b2031:\tvcvtps2ph $0x0,%ymm0,%xmm1
+   b2037:\tvaddps 0x10(%rax){1to8},%ymm1,%ymm0
+   b203f:\ttzcnt  %eax,%eax
+"""
+
+
+def test_the_matcher_classifies_sample_disassembly() -> None:
+    scan = scan_disassembly("libggml-cpu.so", SAMPLE.splitlines())
+    assert scan.instructions == 19
+    assert scan.counts == {"amx": 5, "avx512": 7}
+    assert scan.found["amx"][0] == "0xa1000 in ggml_backend_amx_mul_mat: ldtilecfg (%rax)"
+    avx512 = [line.split(": ", 1)[1] for line in scan.found["avx512"]]
+    assert avx512 == ["vfmadd231ps %zmm1,%zmm2,%zmm0", "vmovups (%rdi),%ymm0{%k1}{z}",
+                      "kmovw  %eax,%k2", "vpternlogd $0x96,%ymm2,%ymm1,%ymm0",
+                      "vpxord %xmm17,%xmm17,%xmm17", "vpdpbusd %ymm2,%ymm1,%ymm0",
+                      "vaddps 0x10(%rax){1to8},%ymm1,%ymm0"]
+    assert scan.ymm == 8
+
+
+# What `as` assembles and objdump prints back: the matcher reads real objdump text.
+FLAGGED = {
+    "amx": ["ldtilecfg (%rax)", "sttilecfg (%rax)", "tilezero %tmm0",
+            "tileloadd (%rsi,%rdx,1), %tmm1", "tileloaddt1 (%rsi,%rdx,1), %tmm1",
+            "tilestored %tmm1, (%rsi,%rdx,1)", "tdpbssd %tmm2, %tmm1, %tmm0",
+            "tdpbsud %tmm2, %tmm1, %tmm0", "tdpbusd %tmm2, %tmm1, %tmm0",
+            "tdpbuud %tmm2, %tmm1, %tmm0", "tdpbf16ps %tmm2, %tmm1, %tmm0",
+            "tdpfp16ps %tmm2, %tmm1, %tmm0", "tilerelease"],
+    "avx512": ["vaddps %zmm1, %zmm2, %zmm0", "vmovups (%rdi), %ymm0{%k1}{z}",
+               "kmovw %eax, %k1", "vpxord %xmm17, %xmm17, %xmm17",
+               "vpternlogd $0x96, %ymm2, %ymm1, %ymm0", "vpermt2ps %ymm2, %ymm1, %ymm0",
+               "vaddps (%rax){1to8}, %ymm1, %ymm0", "vmovdqu64 (%rdi), %ymm0",
+               "vpmovdb %ymm0, %xmm1", "vextracti32x4 $1, %ymm0, %xmm1",
+               "vcvtps2udq %ymm0, %ymm1", "vpdpbusd %ymm2, %ymm1, %ymm0",
+               "vdpbf16ps %ymm2, %ymm1, %ymm0", "vrcp14ps %ymm0, %ymm1",
+               "vaddps {rn-sae}, %zmm1, %zmm2, %zmm0", "vpcmpud $1, %ymm1, %ymm0, %k1"],
+}
+CLEAN = ["vaddps %ymm1, %ymm2, %ymm0", "vfmadd231ps (%rdi), %ymm1, %ymm0",
+         "vpand %ymm1, %ymm2, %ymm0", "vpmaddubsw %ymm1, %ymm2, %ymm0",
+         "vcvtps2ph $0, %ymm0, %xmm1", "vcvtph2ps %xmm1, %ymm0", "vpcmpeqb %ymm1, %ymm2, %ymm0",
+         "vpbroadcastd %xmm0, %ymm0", "vextracti128 $1, %ymm0, %xmm1", "vpermps %ymm1, %ymm2, %ymm0",
+         "vmovdqu (%rdi), %ymm0", "tzcnt %eax, %eax", "shlx %eax, %ebx, %ecx", "vzeroupper",
+         "{vex} vpdpbusd %ymm2, %ymm1, %ymm0", "call tilezero_helper", "test %eax, %eax"]
+
+
+def test_the_matcher_reads_what_objdump_prints(tmp_path: Path) -> None:
+    if shutil.which("as") is None or shutil.which("objdump") is None:
+        pytest.fail("as/objdump not on PATH: install binutils")
+    lines = [*(i for kind in FLAGGED.values() for i in kind), *CLEAN]
+    src = tmp_path / "sample.s"
+    src.write_text(".text\n.globl tilezero_helper\ntilezero_helper:\n"
+                   + "".join(f"\t{line}\n" for line in lines), "utf-8")
+    obj = tmp_path / "sample.o"
+    subprocess.run(["as", "-o", str(obj), str(src)], check=True, capture_output=True)
+    out = subprocess.run([*OBJDUMP, str(obj)], check=True, capture_output=True,
+                         text=True).stdout
+    printed = [m.group(2).strip() for m in map(_INSN.match, out.splitlines()) if m]
+    assert len(printed) == len(lines), out
+    got = [classify(insn) for insn in printed]
+    want = [kind for kind, insns in FLAGGED.items() for _ in insns] + [None] * len(CLEAN)
+    wrong = [(insn, g, w) for insn, g, w in zip(printed, got, want, strict=True) if g != w]
+    assert not wrong, wrong
