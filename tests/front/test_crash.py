@@ -141,7 +141,10 @@ def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served:
         assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
 
 
-def test_oom_kill_from_outside_is_charged_and_recovered(served: Served) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
+def test_a_kill_from_outside_is_charged_and_recovered(served: Served,
+                                                      sig: signal.Signals) -> None:
+    """SIGKILL is what the OOM killer sends; SIGABRT what a failed assertion in C raises."""
     srv = served
     with srv.client() as c:
         assert c.post(CHAT, json=chat("warm")).status_code == 200  # running, not loading
@@ -155,10 +158,10 @@ def test_oom_kill_from_outside_is_charged_and_recovered(served: Served) -> None:
     t = threading.Thread(target=slow)
     t.start()
     srv.wait_in_flight("gen")
-    os.kill(pid, signal.SIGKILL)  # what the OOM killer sends
+    os.kill(pid, sig)
     t.join(timeout=60)
     assert box["r"].status_code == 503
-    assert "SIGKILL" in box["r"].json()["error"]["message"]
+    assert sig.name in box["r"].json()["error"]["message"]
     srv.wait_ready(other_than_pid=pid)
     with srv.client() as c:
         assert c.post(CHAT, json=chat("fine")).status_code == 200
@@ -186,3 +189,31 @@ def test_the_front_holds_no_engine(served: Served) -> None:
     assert "libtorch" not in front_maps and "llama" not in front_maps
     assert "numpy" not in front_maps
     assert "numpy" in Path(f"/proc/{worker}/maps").read_text()  # the check can see modules
+
+
+def test_a_request_whose_client_left_before_its_load_loads_and_evicts_nothing(
+        tmp_path: Path) -> None:
+    # Room for one of the two models only: emb must wait for gen to go idle, then evict it.
+    config = fake_config(tmp_path)
+    config.write_text(config.read_text("utf-8").replace('memory_budget = "2GiB"',
+                                                        'memory_budget = "80MiB"'), "utf-8")
+    with serve_process(config, tmp_path) as srv:
+        box: dict[str, httpx.Response] = {}
+
+        def busy() -> None:
+            with srv.client() as c:
+                box["gen"] = c.post(CHAT, json=chat("@@sleep=3 done"))
+
+        t = threading.Thread(target=busy)
+        t.start()
+        srv.wait_in_flight("gen")
+        with pytest.raises(httpx.ReadTimeout), srv.client(timeout=0.5) as c:
+            c.post("/v1/embeddings", json=embed("nobody waits for me"))
+        t.join(timeout=30)
+        assert box["gen"].status_code == 200
+        with srv.client() as c:  # gen stays hot: nothing was evicted for the request that left
+            models = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
+        assert models["gen"]["state"] == "hot" and models["emb"]["state"] == "cold"
+        assert not srv.events("evict")
+        assert not [e for e in srv.events("load") if e["model"] == "emb"]
+        assert metric(srv, "packserve_requests_total", model="emb", code="499") == 1
