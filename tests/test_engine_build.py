@@ -5,9 +5,9 @@ first multi-token chat (the AMX kernels run on OpenMP threads that never asked t
 the tile permission), and one compiled on an AVX-512 machine dies the same way on a machine
 without AVX-512. scripts/setup.sh builds for the AVX2/FMA/F16C/BMI2 baseline; these tests read
 the machine code of every native library in the installed `llama_cpp` package (with objdump,
-without importing llama_cpp) and fail on the first instruction outside it, naming the library,
-the function and the instruction. The matcher is tested on its own, on sample text and on the
-real output of `as` + `objdump`, so that a passing scan means something.
+without importing llama_cpp) and fail on any AMX or AVX-512 instruction, naming the library,
+the function and the first instructions found. The matcher is tested on its own, on sample
+text and on the real output of `as` + `objdump`, so that a passing scan means something.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import importlib.util
 import re
 import shutil
 import subprocess
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,14 +32,12 @@ AMX_MNEMONICS = frozenset({
     "tcmmimfp16ps", "tcmmrlfp16ps",
 })
 AMX_PREFIXES = ("tile", "tdp", "tcmm")
-AMX_OPERANDS = re.compile(r"%tmm\d")
-
-# AVX-512: a zmm register, an opmask register (`{%k1}`, `kmovw %k1,...`), xmm/ymm 16-31,
-# embedded broadcast, zeroing, embedded rounding / suppress-all-exceptions ...
-AVX512_OPERANDS = re.compile(
-    r"%zmm\d|%k[0-7]\b|%[xy]mm(?:1[6-9]|2\d|3[01])\b|\{1to\d+\}|\{z\}|\{r[nduz]-sae\}|\{sae\}")
+# AVX-512: a zmm register, an opmask register (`{%k1}`, `kmovw %k1,...`), xmm/ymm 16-31 (and
+# AMX's tile registers); embedded broadcast, zeroing, embedded rounding / suppress-all-exceptions
+REGISTERS = re.compile(r"%(?:zmm\d|k[0-7]\b|[xy]mm(?:1[6-9]|2\d|3[01])\b|tmm\d)")
+DECORATIONS = re.compile(r"\{(?:1to\d+|z|r[nduz]-sae|sae)\}")
 # ... or an instruction that exists only as EVEX (AVX-512VL forms on xmm/ymm 0-15).
-AVX512_MNEMONICS = re.compile(r"""(?x)
+AVX512_MNEMONICS = r"""
     vpternlog[dq] | vperm[it]2(?:b|w|d|q|ps|pd) | vpro[lr]v?[dq] | vp?compress(?:p[sd]|[bwdq])
   | vp?expand(?:p[sd]|[bwdq]) | vpconflict[dq] | vplzcnt[dq] | vrndscale[ps][sd] | vrange[ps][sd]
   | vreduce[ps][sd] | vgetexp[ps][sd] | vgetmant[ps][sd] | vscalef[ps][sd] | vfixupimm[ps][sd]
@@ -54,16 +51,24 @@ AVX512_MNEMONICS = re.compile(r"""(?x)
   | vpscatter[dq][dq] | vscatter[dq]p[sd] | vdbpsadbw | vps(?:ll|rl|ra)vw | vpshufbitqmb
   | vptestn?m[bwdq] | vpcmpu?[bwdq] | vpblendm[bwdq] | vblendmp[sd] | vpbroadcastm(?:b2q|w2d)
   | vcvtne2ps2bf16 | vdpbf16ps
-""")
+"""
 # These are AVX-512 as EVEX, and AVX-VNNI / AVX-IFMA / AVX-NE-CONVERT when objdump prints
 # `{vex}` before them: only the former is flagged.
-AVX512_UNLESS_VEX = re.compile(r"vpdp(?:busd|wssd)s? | vpmadd52[lh]uq | vcvtneps2bf16", re.X)
+AVX512_UNLESS_VEX = r"vpdp(?:busd|wssd)s? | vpmadd52[lh]uq | vcvtneps2bf16"
+_AVX512_MNEMONIC = re.compile(AVX512_MNEMONICS, re.X)
+_AVX512_UNLESS_VEX = re.compile(AVX512_UNLESS_VEX, re.X)
 
 _PREFIXES = frozenset({"lock", "rep", "repz", "repnz", "repe", "repne", "notrack", "bnd",
                        "data16", "addr32", "cs", "ds", "es", "fs", "gs", "ss", "xacquire",
                        "xrelease", "rex", "rex.w"})
 _INSN = re.compile(r"^\s*([0-9a-f]+):\t(.*)$")
-_FUNC = re.compile(r"^[0-9a-f]+ <(.*)>:$")
+# Lines worth classifying, found in the whole text at C speed: a superset of classify()'s
+# positives (objdump prints a tab only between an address and its instruction).
+_SUSPECT_MNEMONIC = re.compile(
+    r"\t(?:(?:\{[^}\n]*\}|" + "|".join(re.escape(p) for p in sorted(_PREFIXES)) + r")[ ]+)*"
+    r"(?:ldtilecfg|sttilecfg|tile\w*|tdp\w*|tcmm\w*|" + AVX512_MNEMONICS + "|"
+    + AVX512_UNLESS_VEX + r")(?=[ ]|$)", re.X | re.M)
+_SUSPECTS = (REGISTERS, DECORATIONS, _SUSPECT_MNEMONIC)
 
 
 def classify(instruction: str) -> str | None:
@@ -77,11 +82,12 @@ def classify(instruction: str) -> str | None:
     if not tokens:
         return None
     mnemonic, operands = tokens[0], " ".join(tokens[1:])
+    registers = REGISTERS.findall(operands)
     if (mnemonic in AMX_MNEMONICS or mnemonic.startswith(AMX_PREFIXES)
-            or AMX_OPERANDS.search(operands)):
+            or any(r.startswith("%tmm") for r in registers)):
         return "amx"
-    if (AVX512_OPERANDS.search(operands) or AVX512_MNEMONICS.fullmatch(mnemonic)
-            or (not vex and AVX512_UNLESS_VEX.fullmatch(mnemonic))):
+    if (registers or DECORATIONS.search(operands) or _AVX512_MNEMONIC.fullmatch(mnemonic)
+            or (not vex and _AVX512_UNLESS_VEX.fullmatch(mnemonic))):
         return "avx512"
     return None
 
@@ -92,42 +98,35 @@ class Scan:
 
     library: str
     instructions: int = 0
-    ymm: int = 0  # instructions on ymm registers: the AVX2 baseline is really used
+    ymm: int = 0  # ymm operands: the AVX2 baseline is really used
     found: dict[str, list[str]] = field(default_factory=lambda: {"amx": [], "avx512": []})
     counts: dict[str, int] = field(default_factory=lambda: {"amx": 0, "avx512": 0})
 
 
-def scan_disassembly(library: str, lines: Iterable[str]) -> Scan:
-    """Classify every instruction of objdump's output; keep the first few of each kind."""
-    scan, function = Scan(library), "?"
-    for line in lines:
-        m = _INSN.match(line)
-        if m is None:
-            f = _FUNC.match(line.strip())
-            if f is not None:
-                function = f.group(1)
+def scan_disassembly(library: str, text: str) -> Scan:
+    """Classify the instructions of objdump's output; keep the first few of each kind."""
+    scan = Scan(library, instructions=text.count(":\t"), ymm=text.count("%ymm"))
+    starts = sorted({text.rfind("\n", 0, m.start()) + 1
+                     for rx in _SUSPECTS for m in rx.finditer(text)})
+    for start in starts:
+        end = text.find("\n", start)
+        m = _INSN.match(text[start:end if end >= 0 else len(text)])
+        kind = classify(m.group(2)) if m else None
+        if m is None or kind is None:
             continue
-        scan.instructions += 1
-        insn = m.group(2).strip()
-        if "%ymm" in insn:
-            scan.ymm += 1
-        kind = classify(insn)
-        if kind is not None:
-            scan.counts[kind] += 1
-            if len(scan.found[kind]) < SHOWN:
-                scan.found[kind].append(f"0x{m.group(1)} in {function}: {insn}")
+        scan.counts[kind] += 1
+        if len(scan.found[kind]) < SHOWN:
+            header = text.rfind(">:\n", 0, start)
+            function = text[text.rfind("<", 0, header) + 1:header] if header >= 0 else "?"
+            scan.found[kind].append(f"0x{m.group(1)} in {function}: {m.group(2).strip()}")
     return scan
 
 
 def objdump(path: Path, library: str) -> Scan:
-    with subprocess.Popen([*OBJDUMP, str(path)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None and proc.stderr is not None
-        scan = scan_disassembly(library, proc.stdout)
-        err = proc.stderr.read()
+    proc = subprocess.run([*OBJDUMP, str(path)], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        pytest.fail(f"objdump failed on {path} (exit {proc.returncode}): {err.strip()}")
-    return scan
+        pytest.fail(f"objdump failed on {path} (exit {proc.returncode}): {proc.stderr.strip()}")
+    return scan_disassembly(library, proc.stdout)
 
 
 def llama_libraries() -> list[Path]:
@@ -146,13 +145,13 @@ def llama_libraries() -> list[Path]:
     if not any(p.name.startswith("libggml-cpu") or p.name.startswith("libggml.")
                for p in libs) or not any(p.name.startswith("libllama") for p in libs):
         pytest.fail(f"no llama.cpp libraries (libggml*, libllama*) under {folder}: found "
-                    f"{[p.name for p in libs]}; is llama-cpp-python built from source?")
+                    f"{[p.name for p in libs]}: run scripts/setup.sh")
     return libs
 
 
 @pytest.fixture(scope="module")
 def scans() -> list[Scan]:
-    """One objdump of each installed llama.cpp library per session (a few seconds)."""
+    """One objdump of each installed llama.cpp library per test run (a few seconds)."""
     if shutil.which("objdump") is None:
         pytest.fail("objdump is not on PATH: install binutils (apt-get install binutils) "
                     "to check the llama.cpp build")
@@ -163,9 +162,10 @@ def scans() -> list[Scan]:
 
 
 def offenders(scans: list[Scan], kind: str) -> str:
+    label = {"amx": "AMX", "avx512": "AVX-512"}[kind]
     return "\n".join(
-        f"{s.library}: {s.counts[kind]} instructions, first:\n    " + "\n    ".join(s.found[kind])
-        for s in scans if s.counts[kind])
+        f"{s.library}: {s.counts[kind]} {label} instructions, first:\n    "
+        + "\n    ".join(s.found[kind]) for s in scans if s.counts[kind])
 
 
 def test_no_llama_library_contains_amx_tile_instructions(scans: list[Scan]) -> None:
@@ -223,7 +223,7 @@ Disassembly of section .text:
 
 
 def test_the_matcher_classifies_sample_disassembly() -> None:
-    scan = scan_disassembly("libggml-cpu.so", SAMPLE.splitlines())
+    scan = scan_disassembly("libggml-cpu.so", SAMPLE)
     assert scan.instructions == 19
     assert scan.counts == {"amx": 5, "avx512": 7}
     assert scan.found["amx"][0] == "0xa1000 in ggml_backend_amx_mul_mat: ldtilecfg (%rax)"
@@ -232,7 +232,7 @@ def test_the_matcher_classifies_sample_disassembly() -> None:
                       "kmovw  %eax,%k2", "vpternlogd $0x96,%ymm2,%ymm1,%ymm0",
                       "vpxord %xmm17,%xmm17,%xmm17", "vpdpbusd %ymm2,%ymm1,%ymm0",
                       "vaddps 0x10(%rax){1to8},%ymm1,%ymm0"]
-    assert scan.ymm == 8
+    assert scan.ymm == 19
 
 
 # What `as` assembles and objdump prints back: the matcher reads real objdump text.
@@ -255,7 +255,8 @@ FLAGGED = {
 CLEAN = ["vaddps %ymm1, %ymm2, %ymm0", "vfmadd231ps (%rdi), %ymm1, %ymm0",
          "vpand %ymm1, %ymm2, %ymm0", "vpmaddubsw %ymm1, %ymm2, %ymm0",
          "vcvtps2ph $0, %ymm0, %xmm1", "vcvtph2ps %xmm1, %ymm0", "vpcmpeqb %ymm1, %ymm2, %ymm0",
-         "vpbroadcastd %xmm0, %ymm0", "vextracti128 $1, %ymm0, %xmm1", "vpermps %ymm1, %ymm2, %ymm0",
+         "vpbroadcastd %xmm0, %ymm0", "vextracti128 $1, %ymm0, %xmm1",
+         "vpermps %ymm1, %ymm2, %ymm0",
          "vmovdqu (%rdi), %ymm0", "tzcnt %eax, %eax", "shlx %eax, %ebx, %ecx", "vzeroupper",
          "{vex} vpdpbusd %ymm2, %ymm1, %ymm0", "call tilezero_helper", "test %eax, %eax"]
 
@@ -277,3 +278,7 @@ def test_the_matcher_reads_what_objdump_prints(tmp_path: Path) -> None:
     want = [kind for kind, insns in FLAGGED.items() for _ in insns] + [None] * len(CLEAN)
     wrong = [(insn, g, w) for insn, g, w in zip(printed, got, want, strict=True) if g != w]
     assert not wrong, wrong
+    # The whole-text scan finds each of them too (its prefilter misses none).
+    scan = scan_disassembly("sample.o", out)
+    assert scan.counts == {kind: len(insns) for kind, insns in FLAGGED.items()}
+    assert scan.instructions == len(lines)
