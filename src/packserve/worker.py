@@ -35,6 +35,7 @@ ENV_CONFIG = "PACKSERVE_WORKER_CONFIG"
 ENV_SOCKET = "PACKSERVE_WORKER_SOCKET"
 ENV_CONTROL_FD = "PACKSERVE_CONTROL_FD"
 ENV_QUARANTINE = "PACKSERVE_QUARANTINE"
+ENV_FRONT_PID = "PACKSERVE_FRONT_PID"
 
 # The worker's exit status when its config cannot be served (a source missing, pins that do
 # not fit): the front stops instead of restarting it.
@@ -54,7 +55,10 @@ class ControlChannel:
         self._fd = fd
 
     def send(self, message: dict[str, str]) -> None:
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()[:4000]
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        if len(data) > 4000:  # ids and names are at most 128 characters: never happens
+            log.error("control line too long, not sent: %r", data[:200])
+            return
         try:
             os.write(self._fd, data)
         except OSError as exc:  # the front is gone; PR_SET_PDEATHSIG will end us
@@ -81,14 +85,18 @@ class ControlChannel:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the front dies, however it dies."""
+    """Ask Linux to SIGKILL us when the front dies, however it dies: nobody can reach our
+    socket then, and the device memory we hold is wanted by the next front's worker."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the front's stop() still ends us
         return
-    if os.getppid() == 1:  # the front died before prctl took effect
+    # The front died before prctl took effect. (Compared with the front's pid, not with 1:
+    # in a container the front may itself be pid 1.)
+    front = os.environ.get(ENV_FRONT_PID)
+    if front is not None and os.getppid() != int(front):
         sys.exit(0)
 
 
@@ -146,7 +154,9 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
 
     server = uvicorn.Server(uvicorn.Config(
         app, uds=socket_path, log_level=config.server.log_level, lifespan="on",
-        timeout_graceful_shutdown=max(1, int(config.server.drain_s))))
+        # The front sends SIGTERM only once it has drained its own requests: what is left is
+        # gone (its client too), so the worker shuts down at once and unloads its models.
+        timeout_graceful_shutdown=2))
     await server.serve()
     return 0
 

@@ -217,3 +217,48 @@ def test_a_request_whose_client_left_before_its_load_loads_and_evicts_nothing(
         assert not srv.events("evict")
         assert not [e for e in srv.events("load") if e["model"] == "emb"]
         assert metric(srv, "packserve_requests_total", model="emb", code="499") == 1
+
+
+def test_requests_sharing_a_client_id_are_charged_apart(served: Served) -> None:
+    """Clients choose X-Request-ID: two in flight with the same one must not hide a crash."""
+    srv = served
+    with srv.client() as c:
+        assert c.post(CHAT, json=chat("warm")).status_code == 200
+    box: dict[str, httpx.Response] = {}
+
+    def embedding() -> None:
+        with srv.client() as c:
+            box["emb"] = c.post("/v1/embeddings", json=embed("@@sleep=0.5"),
+                                headers={"X-Request-ID": "same"})
+
+    t = threading.Thread(target=embedding)
+    t.start()
+    srv.wait_in_flight("emb")
+    with srv.client() as c:
+        r = c.post(CHAT, json=chat("@@sleep=1 @@signal=SEGV"), headers={"X-Request-ID": "same"})
+    t.join(timeout=30)
+    assert box["emb"].status_code == 200
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_crashed"
+    assert r.headers["x-request-id"] == "same"
+    served.wait_ready()
+    crashes = srv.events("crash")
+    assert len(crashes) == 1 and crashes[0]["models"] == ["gen"]  # the chat was not sent again
+
+
+def test_a_request_whose_client_left_keeps_its_model_until_the_engine_call_returns(
+        served: Served) -> None:
+    """An engine call cannot be interrupted: the model may not be unloaded (or evicted) under
+    it just because the client that asked for it went away."""
+    srv = served
+    with srv.client() as c:
+        assert c.post("/v1/embeddings", json=embed("warm")).status_code == 200
+    with pytest.raises(httpx.ReadTimeout), srv.client(timeout=0.5) as c:
+        c.post("/v1/embeddings", json=embed("@@sleep=3"))
+    with srv.client() as c:
+        r = c.post("/v1/residency/emb/unload")
+        assert r.status_code == 409 and "in flight" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 30
+        while c.post("/v1/residency/emb/unload").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert metric(srv, "packserve_requests_total", model="emb", code="499") == 1

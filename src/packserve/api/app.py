@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -189,7 +189,7 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
         docs = body.texts
         rid = REQUEST_ID.get()
         async with scheduler.acquire(body.model, Task.RERANK, request_id=rid) as lease:
-            out = await asyncio.to_thread(lease.backend.rerank, body.query, docs)
+            out = await off_loop(lease.backend.rerank, body.query, docs)
             lease.count_tokens(out.tokens)
         order = sorted(range(len(docs)), key=lambda i: out.scores[i], reverse=True)
         results = []
@@ -238,7 +238,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
                                  include_usage)
         rid = REQUEST_ID.get()
         async with scheduler.acquire(body.model, Task.CHAT, request_id=rid) as lease:
-            out = await asyncio.to_thread(run, lease.backend, None)
+            stop = threading.Event()
+            out = await off_loop(run, lease.backend, _until(stop), on_cancel=stop.set)
             lease.count_tokens(out.prompt_tokens, out.completion_tokens)
         check(out)
         return {"id": cid, "object": "chat.completion", "created": created, "model": body.model,
@@ -271,7 +272,9 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
         async with scheduler.acquire(body.model, Task.COMPLETE,
                                      request_id=REQUEST_ID.get()) as lease:
             for i, prompt in enumerate(prompts):
-                out = await asyncio.to_thread(lease.backend.complete, prompt, params, None)
+                stop = threading.Event()
+                out = await off_loop(lease.backend.complete, prompt, params, _until(stop),
+                                     on_cancel=stop.set)
                 lease.count_tokens(out.prompt_tokens, out.completion_tokens)
                 choices.append({"index": i, "text": out.text, "finish_reason": out.finish_reason,
                                 "logprobs": None})
@@ -316,6 +319,36 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: object,
+                   on_cancel: Callable[[], None] | None = None) -> T:
+    """`fn(*args)` in a worker thread. A thread cannot be interrupted: if the request is
+    cancelled (its client left), `on_cancel` asks the engine to stop early, and this still
+    waits for the thread before re-raising, because the request's lease (and so the model's
+    residency and its engine-call bookkeeping) must outlive every engine call made under it."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            await asyncio.wait({task})
+            break
+        except asyncio.CancelledError:
+            if not cancelled and on_cancel is not None:
+                on_cancel()
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # retrieved: the client is gone, nobody else will read it
+        raise asyncio.CancelledError
+    return task.result()
+
+
+def _until(stop: threading.Event) -> OnText:
+    """An `on_text` that asks the engine to stop once `stop` is set."""
+    return lambda _text: not stop.is_set()
 
 
 def _response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:

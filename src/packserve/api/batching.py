@@ -9,8 +9,9 @@ request with the bad input gets the error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +23,7 @@ class _Pending:
     backend: Backend
     texts: list[str]
     future: asyncio.Future[Embeddings]
+    ran: asyncio.Event = field(default_factory=asyncio.Event)  # its batch's thread returned
 
 
 class EmbedBatcher:
@@ -33,10 +35,22 @@ class EmbedBatcher:
     async def embed(self, backend: Backend, texts: list[str]) -> Embeddings:
         """Embed `texts` on `backend`; the caller holds a lease on it until this returns."""
         future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(backend, texts, future))
+        item = _Pending(backend, texts, future)
+        self._pending.append(item)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
-        return await future
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The caller's client left. Not started yet: drop it. Inside a running batch: the
+            # caller's lease must outlive the engine call, so wait for the batch to return.
+            if item in self._pending:
+                self._pending.remove(item)
+            else:
+                while not item.ran.is_set():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await item.ran.wait()
+            raise
 
     async def _drain(self) -> None:
         while self._pending:
@@ -48,8 +62,12 @@ class EmbedBatcher:
                 batch.append(item)
                 size += len(item.texts)
             live = [p for p in batch if not p.future.done()]
-            if live:
-                await self._run(live)
+            try:
+                if live:
+                    await self._run(live)
+            finally:  # also if this task is cancelled: nobody waits for ever
+                for p in batch:
+                    p.ran.set()
 
     async def _run(self, batch: list[_Pending]) -> None:
         texts = [t for p in batch for t in p.texts]

@@ -33,6 +33,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from packserve.api.asgi import (
     REQUEST_ID,
@@ -48,9 +49,12 @@ from packserve.front.supervisor import Crash, Supervisor, Worker, WorkerAlive
 log = logging.getLogger("packserve.front")
 _event_log = logging.getLogger("packserve.events")
 
-# Headers that belong to one hop, not to the request or response being relayed.
-_HOP = frozenset({b"host", b"connection", b"keep-alive", b"transfer-encoding", b"te",
-                  b"trailer", b"upgrade", b"proxy-connection", b"content-length"})
+# Headers that belong to one hop, not to the request or response being relayed. The client's
+# Host goes through, so that what the worker writes with it (a redirect) names this server.
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
+                  b"upgrade", b"proxy-connection", b"content-length", b"expect"})
+# ...and what the front's own server adds to every response.
+_HOP_RESPONSE = _HOP | {b"date", b"server"}
 _ADMIN_LOAD = re.compile(r"^/v1/residency/(?P<name>.+)/load$")
 # Keys read once when the worker or the front starts; a reload that changes them is refused.
 RESTART_KEYS = ("host", "port", "data_dir")
@@ -91,6 +95,7 @@ class Front:
         self._reload = reload
         self.draining = False
         self.in_flight = 0
+        self._ids: set[str] = set()  # the ids the worker sees, of the requests in flight
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -109,6 +114,20 @@ class Front:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+
+    @contextlib.contextmanager
+    def unique_id(self, rid: str) -> Iterator[str]:
+        """The id the worker sees: `rid`, or `rid.N` while another request in flight has the
+        same one (clients choose X-Request-ID; crashes are charged by the id)."""
+        wid, n = rid, 0
+        while wid in self._ids:
+            n += 1
+            wid = f"{rid[:120]}.{n}"
+        self._ids.add(wid)
+        try:
+            yield wid
+        finally:
+            self._ids.discard(wid)
 
     async def wait_idle(self, within_s: float) -> bool:
         try:
@@ -137,11 +156,17 @@ class Front:
         worker = await self.supervisor.wait_up(self.wait_s)
         if worker is None:
             raise ConfigError("not reloaded: no worker is answering")
-        r = await worker.client.post("/internal/reconfigure", content=new.model_dump_json(),
-                                     timeout=self.wait_s + 30)
-        body = r.json()
-        if r.status_code != 200:
-            raise ConfigError(f"not reloaded: {body['error']['message']}")
+        try:
+            r = await worker.client.post("/internal/reconfigure",
+                                         content=new.model_dump_json(),
+                                         timeout=self.wait_s + 30)
+            body = r.json()
+            if r.status_code != 200:
+                raise ConfigError(f"not reloaded: {body['error']['message']}")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"not reloaded: the worker did not answer the reload "
+                              f"({type(exc).__name__}: {exc}); the running config keeps "
+                              f"serving") from exc
         self.config = new
         self.supervisor.config = new
         _event_log.info(json.dumps({"ts": round(time.time(), 3), "kind": "reload", **body},
@@ -149,7 +174,7 @@ class Front:
         return {"status": "reloaded", **body}
 
 
-def create_front_app(front: Front) -> Starlette:
+def create_front_app(front: Front) -> ASGIApp:
     supervisor = front.supervisor
 
     async def healthz(_: Request) -> JSONResponse:
@@ -174,6 +199,11 @@ def create_front_app(front: Front) -> Starlette:
         return Response(text + front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def summary(request: Request) -> Response:
+        if await supervisor.wait_up(2.0) is None:
+            return JSONResponse(error_body(
+                f"the worker is {supervisor.state.value}; the crash history is in "
+                f"/healthz and in the event log", "model_unavailable",
+                code="worker_unavailable"), status_code=503, headers={"Retry-After": "1"})
         response = await proxy(request)
         if response.status_code != 200 or not isinstance(response.body, bytes):
             return response
@@ -196,9 +226,9 @@ def create_front_app(front: Front) -> Starlette:
             return _error(503, "packserve is shutting down; retry on another replica or in a "
                           "few seconds", "server_draining", "draining", retry_after=5)
         body = await request.body()
-        call = _Call(request, body, REQUEST_ID.get())
         stack = contextlib.ExitStack()
         stack.enter_context(front.tracked())
+        call = _Call(request, body, stack.enter_context(front.unique_id(REQUEST_ID.get())))
         try:
             response = await _forward(front, call)
         except BaseException:
@@ -225,7 +255,7 @@ def create_front_app(front: Front) -> Starlette:
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None)
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
@@ -235,12 +265,13 @@ def create_front_app(front: Front) -> Starlette:
             Route("/{path:path}", proxy, methods=methods),
         ],
         middleware=[
-            Middleware(RequestId),
             Middleware(BodyLimit, max_bytes=front.config.server.max_request_bytes),
             Middleware(CancelOnDisconnect),
         ],
         exception_handlers={StarletteHTTPException: http_error, Exception: unexpected},
     )
+    # Outside Starlette's error middleware, so that its 500s carry the request id too.
+    return RequestId(app)
 
 
 class _Call:
@@ -277,6 +308,9 @@ async def _forward(front: Front, call: _Call) -> Response:
     attempt = 0
     while True:
         worker = await supervisor.wait_up(front.wait_s)
+        if worker is None and supervisor.stopping and supervisor.config_error is None:
+            return _error(503, "packserve is shutting down", "server_draining", "draining",
+                          retry_after=5)
         if worker is None:
             why = supervisor.config_error or f"no worker answered within {front.wait_s:.0f}s"
             return _error(503, f"packserve cannot serve this now: {why}", "model_unavailable",
@@ -296,7 +330,7 @@ async def _send(front: Front, worker: Worker, call: _Call) -> Response:
     request = worker.client.build_request(call.method, call.target, headers=call.headers,
                                           content=call.body)
     upstream = await worker.client.send(request, stream=True)
-    headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _HOP]
+    headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _HOP_RESPONSE]
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         stream = StreamingResponse(_relay(front, worker, call, upstream),
                                    status_code=upstream.status_code)
@@ -330,9 +364,10 @@ async def _after_failure(front: Front, worker: Worker, call: _Call,
                       "engine_crashed", retry_after=1)
     if attempt >= 1:
         front.metrics.after_crash.labels(model=model, outcome="failed").inc()
+        doing = "ran" if call.rid in crash.running else "waited"
         return _error(503, f"packserve's worker died ({crash.cause}) again while this request "
-                      f"waited; it was already sent again once", "model_unavailable",
-                      "engine_crashed", retry_after=1)
+                      f"{doing}; it had already been sent again once after an earlier crash",
+                      "model_unavailable", "engine_crashed", retry_after=1)
     front.metrics.after_crash.labels(model=model, outcome="retried").inc()
     log.info("request %s (%s) sent again after the worker died (%s)", call.rid, model,
              crash.cause)
@@ -375,9 +410,9 @@ async def _relay(front: Front, worker: Worker, call: _Call,
         payload = json.dumps(error_body(message, "model_unavailable", code=code))
         yield prefix + f"data: {payload}\n\ndata: [DONE]\n\n".encode()
     finally:
-        await upstream.aclose()
         if call.on_stream_end is not None:
             call.on_stream_end()
+        await upstream.aclose()
 
 
 def _error(status: int, message: str, type_: str, code: str | None, *,
@@ -420,7 +455,7 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None) 
         idle = await front.wait_idle(drain_s)
         log.info("drained in %.2fs%s", time.monotonic() - t0,
                  "" if idle else f"; {front.in_flight} requests were still running")
-        await supervisor.stop()
+        await supervisor.stop(grace_s=max(5.0, drain_s - (time.monotonic() - t0)))
         server.should_exit = True
 
     def on_stop(signame: str) -> None:
@@ -429,7 +464,10 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None) 
             draining = asyncio.create_task(drain(signame))
         else:  # a second signal: stop waiting
             log.warning("%s again: stopping now", signame)
+            background.add(asyncio.create_task(supervisor.stop(grace_s=0)))
             server.force_exit = server.should_exit = True
+
+    background: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
         async def run() -> None:
@@ -438,7 +476,11 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None) 
                 log.info("SIGHUP: config reloaded: %s", result)
             except ConfigError as exc:
                 log.error("SIGHUP: %s", exc.message)
-        asyncio.create_task(run())  # noqa: RUF006 - logs its own outcome
+            except Exception:
+                log.exception("SIGHUP: the reload failed")
+        task = asyncio.create_task(run())
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop, sig.name)

@@ -36,6 +36,7 @@ from packserve.config import Config
 from packserve.worker import (
     ENV_CONFIG,
     ENV_CONTROL_FD,
+    ENV_FRONT_PID,
     ENV_QUARANTINE,
     ENV_SOCKET,
     EXIT_CONFIG,
@@ -44,8 +45,13 @@ from packserve.worker import (
 log = logging.getLogger("packserve.front")
 _event_log = logging.getLogger("packserve.events")
 
-# Restarts of a worker that dies before it answers back off from this, doubling, to the cap.
+# Restarts of a worker that dies before it answers, or within STABLE_S of answering, back off
+# from this, doubling, to the cap; a worker that served longer is replaced at once.
 RESTART_BACKOFF_S = (0.5, 30.0)
+STABLE_S = 30.0
+# A worker that does not answer /healthz within PING_S, MISSES times in a row, is hung (stopped,
+# deadlocked): it is killed, and its death charged like a crash.
+PING_S, MISSES = 5.0, 4
 GENERATION_TASKS = frozenset({"chat", "complete"})
 
 
@@ -100,6 +106,7 @@ class Worker:
     client: httpx.AsyncClient
     started_at: float
     up: asyncio.Event = field(default_factory=asyncio.Event)
+    up_at: float = 0.0
     dead: asyncio.Future[Crash | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     running: dict[str, Running] = field(default_factory=dict)
@@ -113,9 +120,10 @@ class Worker:
     def on_line(self, line: bytes) -> None:
         try:
             msg = json.loads(line)
-        except ValueError:
+            kind = msg.get("k")
+        except (ValueError, AttributeError):
+            log.error("unreadable control line from worker %d: %r", self.generation, line[:200])
             return
-        kind = msg.get("k")
         if kind == "start":
             self.running[msg["rid"]] = Running(model=msg["model"], task=msg["task"])
         elif kind == "end":
@@ -130,25 +138,19 @@ class Worker:
                 self.loading.pop(msg["model"], None)
 
 
-class WorkerGone(Exception):
-    """The worker this request was sent to died (`crash`), or stopped (`crash` is None)."""
-
-    def __init__(self, crash: Crash | None) -> None:
-        super().__init__(crash.cause if crash else "worker stopped")
-        self.crash = crash
-
-
 class Supervisor:
     """Starts, watches and restarts the worker. Construct, then `await start()` on the loop."""
 
     def __init__(self, config: Config, *, python: str = sys.executable,
                  on_crash: Callable[[Crash], None] | None = None,
                  on_start: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ping_s: float = PING_S, misses: int = MISSES) -> None:
         self.config = config
         self._python = python
         self._on_crash = on_crash
         self._on_start = on_start
+        self._ping_s, self._misses = ping_s, misses
         self._clock = clock
         self._dir = Path(tempfile.mkdtemp(prefix="packserve-"))
         self._generation = 0
@@ -169,18 +171,21 @@ class Supervisor:
     async def start(self) -> None:
         await self._spawn()
 
-    async def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the worker (it finishes what it serves, unloads its models, exits), then
-        SIGKILL it after `grace_s`."""
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the worker (it unloads its models and exits), then SIGKILL it after
+        `grace_s` (0: at once)."""
         self._stopping = True
         worker = self.current
         self.state = WorkerState.STOPPED
         self._notify()
         if worker is not None and worker.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                worker.proc.terminate()
+                if grace_s > 0:
+                    worker.proc.terminate()
+                else:
+                    worker.proc.kill()
             try:
-                await asyncio.wait_for(worker.proc.wait(), grace_s)
+                await asyncio.wait_for(worker.proc.wait(), max(grace_s, 1.0))
             except TimeoutError:
                 log.warning("worker %d did not stop within %.0fs; killing it", worker.pid,
                             grace_s)
@@ -188,11 +193,15 @@ class Supervisor:
                     worker.proc.kill()
                 await worker.proc.wait()
         if worker is not None:
-            with contextlib.suppress(Exception):
-                await worker.client.aclose()
+            with contextlib.suppress(TimeoutError):  # let _watch resolve `dead` and clean up
+                await asyncio.wait_for(asyncio.shield(worker.dead), 3.0)
         for task in list(self._tasks):
             task.cancel()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     async def wait_up(self, within_s: float) -> Worker | None:
         """The current worker once it answers; None if none does within `within_s` or we stop."""
@@ -246,7 +255,8 @@ class Supervisor:
         socket_path = self._dir / f"worker-{gen}.sock"
         read_fd, write_fd = os.pipe()
         env = {**os.environ, ENV_CONFIG: str(config_path), ENV_SOCKET: str(socket_path),
-               ENV_CONTROL_FD: str(write_fd), ENV_QUARANTINE: json.dumps(self.quarantined)}
+               ENV_CONTROL_FD: str(write_fd), ENV_QUARANTINE: json.dumps(self.quarantined),
+               ENV_FRONT_PID: str(os.getpid())}
         try:
             # Its own session: a Ctrl-C in the terminal reaches the front, which drains and
             # then stops the worker, instead of killing both at once.
@@ -273,6 +283,7 @@ class Supervisor:
         self._spawn_task(self._read_pipe(worker, read_fd))
         self._spawn_task(self._watch(worker))
         self._spawn_task(self._wait_answering(worker))
+        self._spawn_task(self._watchdog(worker))
 
     async def _read_pipe(self, worker: Worker, fd: int) -> None:
         loop = asyncio.get_running_loop()
@@ -292,7 +303,7 @@ class Supervisor:
                 r = await worker.client.get("/healthz", timeout=2.0)
                 if r.status_code == 200:
                     worker.up.set()
-                    self._early_deaths = 0
+                    worker.up_at = self._clock()
                     if self.current is worker:
                         self.state = WorkerState.UP
                     self._notify()
@@ -303,41 +314,69 @@ class Supervisor:
                 pass
             await asyncio.sleep(0.05)
 
+    async def _watchdog(self, worker: Worker) -> None:
+        """Kill a worker that stops answering (SIGSTOP, a deadlock): its requests would wait for
+        ever. Its death then goes the way of any crash."""
+        await worker.up.wait()
+        misses = 0
+        while not worker.dead.done() and not self._stopping:
+            await asyncio.sleep(self._ping_s)
+            try:
+                r = await worker.client.get("/healthz", timeout=self._ping_s)
+                misses = 0 if r.status_code == 200 else misses + 1
+            except httpx.TransportError:
+                misses += 1
+            except RuntimeError:  # the client was closed: the worker is gone
+                return
+            if misses >= self._misses and worker.proc.returncode is None:
+                log.error("worker %d (pid %d) has not answered for %.0fs; killing it",
+                          worker.generation, worker.pid, self._ping_s * self._misses)
+                with contextlib.suppress(ProcessLookupError):
+                    worker.proc.kill()
+                return
+
     async def _watch(self, worker: Worker) -> None:
-        rc = await worker.proc.wait()
-        # The pipe closes when the process is gone; read what it wrote before dying.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(worker.pipe_done.wait(), 2.0)
-        with contextlib.suppress(Exception):
-            await worker.client.aclose()
-        with contextlib.suppress(OSError):
-            worker.socket_path.unlink()
-        if self._stopping:
-            worker.dead.set_result(None)
+        crash: Crash | None = None
+        try:
+            rc = await worker.proc.wait()
+            # Anything the worker forked (its own session) goes with it, so that nothing holds
+            # the pipe or the device.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            # The pipe closes when the process is gone; read what it wrote before dying.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(worker.pipe_done.wait(), 2.0)
+            if not self._stopping:
+                if rc == EXIT_CONFIG and worker.generation == 1 and not worker.up.is_set():
+                    self.config_error = "the worker refused its config (see the log above)"
+                    self.refused.set()
+                    self.state = WorkerState.STOPPED
+                    self._stopping = True
+                else:
+                    crash = self._charge(worker, rc)
+        finally:
+            if not worker.dead.done():
+                worker.dead.set_result(crash)
             self._notify()
+            with contextlib.suppress(Exception):
+                await worker.client.aclose()
+            with contextlib.suppress(OSError):
+                worker.socket_path.unlink()
+        if crash is None:
             return
-        if rc == EXIT_CONFIG and not worker.up.is_set():
-            self.config_error = "the worker refused its config (see the log above)"
-            self.refused.set()
-            self.state = WorkerState.STOPPED
-            self._stopping = True
-            worker.dead.set_result(None)
-            self._notify()
-            return
-        crash = self._charge(worker, rc)
-        worker.dead.set_result(crash)
-        self._notify()
         if self._on_crash is not None:
             self._on_crash(crash)
-        if worker.up.is_set():
-            delay = 0.0
+        if worker.up.is_set() and self._clock() - worker.up_at > STABLE_S:
+            self._early_deaths, delay = 0, 0.0
         else:
             self._early_deaths += 1
             low, high = RESTART_BACKOFF_S
-            delay = min(high, low * 2 ** (self._early_deaths - 1))
+            delay = 0.0 if self._early_deaths == 1 else min(
+                high, low * 2 ** (self._early_deaths - 2))
         if delay:
-            log.warning("worker %d died before answering; next start in %.1fs",
-                        worker.generation, delay)
+            log.warning("worker %d died %s; next start in %.1fs", worker.generation,
+                        "soon after it started" if worker.up.is_set() else "before answering",
+                        delay)
             await asyncio.sleep(delay)
         if not self._stopping:
             await self._spawn()

@@ -1,0 +1,55 @@
+"""The supervisor on its own, in this process, with a real worker process (fake engines)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from packserve.config import load_config
+from packserve.front.supervisor import Supervisor
+from tests.front.procs import fake_config
+
+
+def test_a_hung_worker_is_killed_charged_and_replaced(tmp_path: Path) -> None:
+    config = load_config(fake_config(tmp_path))
+
+    async def scenario() -> None:
+        supervisor = Supervisor(config, ping_s=0.2, misses=3)
+        await supervisor.start()
+        try:
+            worker = await supervisor.wait_up(120)
+            assert worker is not None
+            os.kill(worker.pid, signal.SIGSTOP)  # answers nothing, never dies by itself
+            crash = await asyncio.wait_for(asyncio.shield(worker.dead), 30)
+            assert crash is not None and crash.cause == "SIGKILL"
+            replacement = await supervisor.wait_up(120)
+            assert replacement is not None and replacement.pid != worker.pid
+            assert supervisor.view()["crashes"] == 1
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_refuses_its_config_at_the_first_start_stops_the_server(
+        tmp_path: Path) -> None:
+    config = load_config(fake_config(tmp_path))
+    # Valid to the front, refused by the worker: a device budget too small for the pins.
+    bad = config.model_copy(update={"models": [
+        m.model_copy(update={"pin": True}) for m in config.models]})
+    bad = bad.model_copy(update={"devices": {"cpu": bad.devices["cpu"].model_copy(
+        update={"memory_budget": 50 << 20})}})
+
+    async def scenario() -> None:
+        supervisor = Supervisor(bad)
+        await supervisor.start()
+        try:
+            await asyncio.wait_for(supervisor.refused.wait(), 120)
+            assert supervisor.config_error is not None
+            assert await supervisor.wait_up(0) is None
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(scenario())
