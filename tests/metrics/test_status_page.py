@@ -94,3 +94,27 @@ def test_page_shows_what_the_api_reports_and_follows_changes(page: Page,
     kinds = page.eval_on_selector_all("[data-testid=events] li",
                                       "items => items.map(i => i.dataset.kind)")
     assert "load" in kinds and "evict" in kinds
+
+
+def test_page_shows_engine_crashes_through_the_front(tmp_path: Path) -> None:
+    """Served by the front (`packserve serve`): the worker's state and a crash appear."""
+    import os
+    import signal
+
+    from tests.front.procs import fake_config, serve_process
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail("chromium is not installed; scripts/test.sh installs Debian's package")
+    with serve_process(fake_config(tmp_path), tmp_path) as srv, sync_playwright() as p:
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGSEGV)
+        srv.wait_ready(other_than_pid=pid)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            tab = browser.new_page()
+            tab.goto(srv.url + "/")
+            tab.wait_for_selector("[data-testid=crashes] li[data-signal=SIGSEGV]",
+                                  timeout=15_000)
+            assert f"pid {srv.worker_pid()}" in (tab.text_content("#worker") or "")
+        finally:
+            browser.close()
