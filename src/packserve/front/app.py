@@ -377,8 +377,9 @@ async def _after_failure(front: Front, worker: Worker, call: _Call,
 def _crash_message(crash: Crash, model: str, task: str) -> str:
     tail = (f"; {model} is now failed until an operator loads it (second crash within "
             f"crash_window_s)" if model in crash.quarantined else
-            "; the other models are being restored")
-    return (f"model {model!r}'s engine crashed ({crash.cause}) while running this {task} "
+            "; a new worker serves the next requests (pinned models load at once, the others "
+            "on first use)")
+    return (f"the engine of model {model!r} crashed ({crash.cause}) while running this {task} "
             f"request; a {task} is not sent again because it may not repeat{tail}")
 
 
