@@ -73,9 +73,13 @@ def test_cpu_path_reads_inference_like_processes(tmp_path: Path) -> None:
                                                           (9, "cpu", 1000 * page)]
 
 
-def test_cpu_path_on_the_real_proc_finds_a_running_packserve() -> None:
-    # this very process is not a server; the real /proc is read without error
-    rows = audit.audit_processes(None)
+def test_cpu_path_on_the_real_proc_finds_a_running_packserve(tmp_path: Path) -> None:
+    from tests.front.procs import fake_config, serve_process
+
+    with serve_process(fake_config(tmp_path), tmp_path) as srv:
+        rows = audit.audit_processes(None)
+        pids = {r.pid for r in rows}
+        assert srv.proc.pid in pids and srv.worker_pid() in pids  # the front and the worker
     assert all(r.device == "cpu" and r.bytes > 0 for r in rows)
     assert all(audit.looks_like_engine(r.command) for r in rows)
 

@@ -32,7 +32,8 @@ MIB = 1 << 20
 ENGINE_PATTERNS = ("vllm", "text-generation-launcher", "text-generation-router",
                    "text-embeddings-router", "ollama", "llama-server", "llama_cpp.server",
                    "sglang", "infinity_emb", "tritonserver", "lmdeploy", "packserve serve",
-                   "packserve.cli serve", "tabbyapi", "koboldcpp", "localai")
+                   "packserve.cli serve", "packserve.worker", "tabbyapi", "koboldcpp",
+                   "localai")
 WASTE_FACTOR = 3.0  # an engine holding more than 3x its model's need is flagged
 GREEDY_SHARE = 0.8  # ... or more than 80% of a card when its model is unknown
 

@@ -125,7 +125,13 @@ def test_chat_streams_several_chunks(sdk: openai.OpenAI) -> None:
             finish = choice.finish_reason or finish
     assert len(pieces) >= 3
     assert finish in {"stop", "length"}
-    assert usage is not None and usage.completion_tokens == len(pieces)
+    # The usage chunk counts what was generated: all 24 tokens when cut by max_tokens.
+    # (Not compared with a non-streamed run: llama.cpp's greedy output can differ between two
+    # calls, as the prompt's cached prefix changes how its logits are computed.)
+    assert usage is not None and usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= 24
+    if finish == "length":
+        assert usage.completion_tokens == 24
 
 
 PERSON = {
@@ -175,15 +181,26 @@ def test_extraction_returns_json_matching_the_schema(default_server: Running,
 def test_json_object_mode_returns_an_object(default_server: Running) -> None:
     with default_server.client() as c:
         r = c.post("/v1/chat/completions", json={
-            "model": EXTRACT, "temperature": 0, "max_tokens": 60,
+            "model": EXTRACT, "temperature": 0, "max_tokens": 100,
+            "messages": [{"role": "user", "content":
+                          'Answer with a JSON object with one key, "color": the color of '
+                          'the sky.'}],
+            "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_json_object_cut_short_is_length_not_an_answer(default_server: Running) -> None:
+    with default_server.client() as c:
+        r = c.post("/v1/chat/completions", json={
+            "model": EXTRACT, "temperature": 0, "max_tokens": 3,
             "messages": [{"role": "user", "content": "Give the color of the sky as JSON."}],
             "response_format": {"type": "json_object"}})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
-    if choice["finish_reason"] == "stop":  # a truncated object is reported as "length"
-        assert isinstance(json.loads(choice["message"]["content"]), dict)
-    else:
-        assert choice["finish_reason"] == "length"
+    assert choice["finish_reason"] == "length"  # never passed off as complete JSON
 
 
 def test_completion_continues_the_prompt(sdk: openai.OpenAI) -> None:
