@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +12,7 @@ from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.events import EventSink, log_event
 from packserve.core.footprint import estimate
 from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
+from packserve.core.policy import VictimPolicy, lru_by_bytes
 from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Scheduler
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
@@ -105,8 +106,11 @@ def build_scheduler(
     factory: BackendFactory | None = None,
     probe: MemoryProbe | None = None,
     sinks: Sequence[EventSink] = (log_event,),
+    victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
 ) -> Scheduler:
-    """The scheduler for `config`. Must be called from the thread that runs the event loop."""
+    """The scheduler for `config`, with packserve's victim policy unless given one (for every
+    device, or by device name: the bench replays other engines' rules). Must be called from
+    the thread that runs the event loop."""
     from packserve.backends import create_backend
 
     probe = probe or SystemProbe()
@@ -117,6 +121,7 @@ def build_scheduler(
         FootprintStore(config.data_path / "footprints.json"),
         load_wait_s=config.server.load_wait_s,
         failure_cooldown_s=config.server.failure_cooldown_s,
+        victim_policy=victim_policy,
         sinks=sinks,
     )
     scheduler.check_pins()

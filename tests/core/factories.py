@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -182,7 +182,8 @@ def harness(
     entries: Sequence[Entry], budget_mib: int, *, headroom_mib: int = 0,
     clock: Clock | None = None, real_clock: bool = False, store: FootprintStore | None = None,
     load_wait_s: float = 120.0, failure_cooldown_s: float = 30.0,
-    sleep: Sleeper | None = None, victim_policy: VictimPolicy = lru_by_bytes,
+    sleep: Sleeper | None = None,
+    victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
     check_files: bool = False,
 ) -> Harness:
     """A scheduler over `entries` on one cpu device. Call inside a running event loop.

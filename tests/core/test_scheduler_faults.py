@@ -11,7 +11,7 @@ import errno
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -543,9 +543,11 @@ def _most_recent_first(residents: Sequence[ResidentView], need: int, free: int,
 @pytest.mark.parametrize(("policy", "evicted"), [
     pytest.param(None, ["a"], id="packserve-lru"),
     pytest.param(_most_recent_first, ["c"], id="custom-policy"),
+    pytest.param({"cpu": _most_recent_first}, ["c"], id="custom-policy-for-this-device"),
+    pytest.param({"cuda:0": _most_recent_first}, ["a"], id="custom-policy-elsewhere"),
 ])
 def test_out_of_memory_retry_evicts_through_the_policy_only_as_needed(
-    policy: VictimPolicy | None, evicted: list[str],
+    policy: VictimPolicy | Mapping[str, VictimPolicy] | None, evicted: list[str],
 ) -> None:
     async def body() -> None:
         h = harness([entry("a"), entry("b"), entry("c"), entry("m")], budget_mib=1024,

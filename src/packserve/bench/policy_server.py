@@ -3,7 +3,8 @@
 Run as `python -m packserve.bench.policy_server --config FILE --policy SPEC --port P`.
 SPEC: `lru_by_bytes` (packserve's rule), `lru_by_count:N` (Ray Serve multiplexing),
 `keep_alive:DEFAULT_S[,NAME=S...]` (Ollama's shortest keep-alive first). Everything else is
-what `packserve serve` builds: same entries, budgets, backends, app and telemetry.
+what `packserve serve`'s worker builds (`server.build_scheduler`, the same app and telemetry),
+in one process.
 """
 
 from __future__ import annotations
@@ -36,22 +37,14 @@ async def _serve(config_path: str, port: int, policy: VictimPolicy) -> None:
     import uvicorn
 
     from packserve.api.app import create_app
-    from packserve.backends import create_backend, prepare
+    from packserve.backends import prepare
     from packserve.config import load_config
-    from packserve.core.memory import SystemProbe
-    from packserve.core.scheduler import FootprintStore, Scheduler
-    from packserve.server import build_entries, build_telemetry, device_budgets
+    from packserve.server import build_scheduler, build_telemetry
 
     config = load_config(config_path, port=port)
-    probe = SystemProbe()
-    entries = build_entries(config)
-    prepare({e.load.backend for e in entries})
-    scheduler = Scheduler(
-        entries, device_budgets(config, {e.load.device for e in entries}, probe),
-        create_backend, probe, FootprintStore(config.data_path / "footprints.json"),
-        load_wait_s=config.server.load_wait_s, failure_cooldown_s=config.server.failure_cooldown_s,
-        victim_policy=policy)
-    scheduler.check_pins()
+    scheduler = build_scheduler(config, victim_policy=policy)
+    # Engines imported before the trace, so that no policy pays an import in its first load.
+    prepare({m.backend for m in config.models})
     app = create_app(scheduler, build_telemetry(config, scheduler),
                      max_request_bytes=config.server.max_request_bytes)
     await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,

@@ -376,7 +376,7 @@ class Scheduler:
         load_wait_s: float = 120.0,
         failure_cooldown_s: float = 30.0,
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
-        victim_policy: VictimPolicy = lru_by_bytes,
+        victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
         check_files: Callable[[LoadSpec], None] | None = check_weights,
         sinks: Sequence[EventSink] = (log_event,),
     ) -> None:
@@ -389,7 +389,11 @@ class Scheduler:
         self._load_wait_s = load_wait_s
         self._cooldown_s = failure_cooldown_s
         self._pin_retry_first_s, self._pin_retry_max_s = pin_retry_s
-        self._policy = victim_policy  # packserve's rule; bench swaps in other engines' rules
+        # packserve's rule, or one per device; the bench swaps in other engines' rules.
+        self._policies: Mapping[str, VictimPolicy] | None = (
+            victim_policy if isinstance(victim_policy, Mapping) else None)
+        self._default_policy: VictimPolicy = (
+            lru_by_bytes if isinstance(victim_policy, Mapping) else victim_policy)
         self._check_files = check_files  # None: no check (tests of fake engines)
         self._sinks = list(sinks)
         self._devices = {d.name: d for d in devices}
@@ -734,9 +738,10 @@ class Scheduler:
         """
         others = [self._view(r) for r in self._residents.values()
                   if r is not res and r.load.device == res.load.device]
-        victims = self._policy(others, res.bytes, 0)
+        policy = self._policy(res.load.device)
+        victims = policy(others, res.bytes, 0)
         if victims is None:
-            victims = self._policy(others, sum(v.bytes for v in others if v.evictable), 0)
+            victims = policy(others, sum(v.bytes for v in others if v.evictable), 0)
         return victims or ()
 
     async def _materialize(self, res: _Resident) -> None:
@@ -1163,7 +1168,7 @@ class Scheduler:
                 over = self._used(device) - self._devices[device].capacity_bytes
                 if over <= 0:
                     return
-                victims = self._policy(views, over, 0)
+                victims = self._policy(device)(views, over, 0)
                 if not victims:
                     log.warning("%s is %s over its new budget until busy models finish",
                                 device, _mib(over))
@@ -1242,7 +1247,14 @@ class Scheduler:
     def _admission(self, res: _Resident) -> Admission:
         device = self._devices[res.load.device]
         views = [self._view(r) for r in self._residents.values()]
-        return plan_admission(self._view(res), views, device.capacity_bytes, self._policy)
+        return plan_admission(self._view(res), views, device.capacity_bytes,
+                              self._policy(device.name))
+
+    def _policy(self, device: str) -> VictimPolicy:
+        """The victim policy of `device` (packserve's LRU-by-bytes unless told otherwise)."""
+        if self._policies is not None:
+            return self._policies.get(device, self._default_policy)
+        return self._default_policy
 
     def _used(self, device: str) -> int:
         return sum(v.bytes for v in map(self._view, self._residents.values())
