@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,18 @@ class Served:
                     return time.monotonic() - t0
             time.sleep(0.05)
         raise AssertionError(f"packserve not ready after {timeout}s:\n" + self.log()[-4000:])
+
+    def post_later(self, path: str, body: dict[str, object],
+                   headers: dict[str, str] | None = None) -> Future[httpx.Response]:
+        """POST in a background thread; the future holds the response (or the error)."""
+        def post() -> httpx.Response:
+            with self.client() as c:
+                return c.post(path, json=body, headers=headers)
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            return pool.submit(post)
+        finally:
+            pool.shutdown(wait=False)
 
     def wait_in_flight(self, model: str, n: int = 1, timeout: float = 60.0) -> None:
         """Wait until the worker has `n` requests of `model` running."""

@@ -149,19 +149,12 @@ def test_a_kill_from_outside_is_charged_and_recovered(served: Served,
     with srv.client() as c:
         assert c.post(CHAT, json=chat("warm")).status_code == 200  # running, not loading
     pid = srv.worker_pid()
-    box: dict[str, httpx.Response] = {}
-
-    def slow() -> None:
-        with srv.client() as c:
-            box["r"] = c.post(CHAT, json=chat("@@sleep=20"))
-
-    t = threading.Thread(target=slow)
-    t.start()
+    slow = srv.post_later(CHAT, chat("@@sleep=20"))
     srv.wait_in_flight("gen")
     os.kill(pid, sig)
-    t.join(timeout=60)
-    assert box["r"].status_code == 503
-    assert sig.name in box["r"].json()["error"]["message"]
+    r = slow.result(timeout=60)
+    assert r.status_code == 503
+    assert sig.name in r.json()["error"]["message"]
     srv.wait_ready(other_than_pid=pid)
     with srv.client() as c:
         assert c.post(CHAT, json=chat("fine")).status_code == 200
@@ -198,19 +191,11 @@ def test_a_request_whose_client_left_before_its_load_loads_and_evicts_nothing(
     config.write_text(config.read_text("utf-8").replace('memory_budget = "2GiB"',
                                                         'memory_budget = "80MiB"'), "utf-8")
     with serve_process(config, tmp_path) as srv:
-        box: dict[str, httpx.Response] = {}
-
-        def busy() -> None:
-            with srv.client() as c:
-                box["gen"] = c.post(CHAT, json=chat("@@sleep=3 done"))
-
-        t = threading.Thread(target=busy)
-        t.start()
+        busy = srv.post_later(CHAT, chat("@@sleep=3 done"))
         srv.wait_in_flight("gen")
         with pytest.raises(httpx.ReadTimeout), srv.client(timeout=0.5) as c:
             c.post("/v1/embeddings", json=embed("nobody waits for me"))
-        t.join(timeout=30)
-        assert box["gen"].status_code == 200
+        assert busy.result(timeout=30).status_code == 200
         with srv.client() as c:  # gen stays hot: nothing was evicted for the request that left
             models = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
         assert models["gen"]["state"] == "hot" and models["emb"]["state"] == "cold"
@@ -224,20 +209,12 @@ def test_requests_sharing_a_client_id_are_charged_apart(served: Served) -> None:
     srv = served
     with srv.client() as c:
         assert c.post(CHAT, json=chat("warm")).status_code == 200
-    box: dict[str, httpx.Response] = {}
-
-    def embedding() -> None:
-        with srv.client() as c:
-            box["emb"] = c.post("/v1/embeddings", json=embed("@@sleep=0.5"),
-                                headers={"X-Request-ID": "same"})
-
-    t = threading.Thread(target=embedding)
-    t.start()
+    embedding = srv.post_later("/v1/embeddings", embed("@@sleep=0.5"),
+                               headers={"X-Request-ID": "same"})
     srv.wait_in_flight("emb")
     with srv.client() as c:
         r = c.post(CHAT, json=chat("@@sleep=1 @@signal=SEGV"), headers={"X-Request-ID": "same"})
-    t.join(timeout=30)
-    assert box["emb"].status_code == 200
+    assert embedding.result(timeout=30).status_code == 200
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_crashed"
     assert r.headers["x-request-id"] == "same"
     served.wait_ready()

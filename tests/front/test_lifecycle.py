@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -23,14 +22,7 @@ def chat(content: str, model: str = "gen") -> dict[str, object]:
 
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
     with serve_process(fake_config(tmp_path, drain_s=20), tmp_path) as srv:
-        box: dict[str, httpx.Response] = {}
-
-        def slow() -> None:
-            with srv.client() as c:
-                box["r"] = c.post(CHAT, json=chat("@@sleep=3 done"))
-
-        t = threading.Thread(target=slow)
-        t.start()
+        slow = srv.post_later(CHAT, chat("@@sleep=3 done"))
         srv.wait_in_flight("gen")
         t_term = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
@@ -47,10 +39,10 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
         url = urlparse(srv.url)
         with socket.create_connection((url.hostname, url.port), timeout=5):
             pass
-        t.join(timeout=30)
         # The request in flight finished normally.
-        assert box["r"].status_code == 200
-        assert box["r"].json()["choices"][0]["message"]["content"].endswith("done")
+        r = slow.result(timeout=30)
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"].endswith("done")
         assert srv.proc.wait(timeout=30) == 0
         assert time.monotonic() - t_term < 20
         log = srv.log()
@@ -74,14 +66,7 @@ def test_reload_adds_removes_and_refuses_bad_files(tmp_path: Path) -> None:
         r = c.post("/v1/admin/reload")
         assert r.status_code == 400 and "server.drain_s" in r.json()["error"]["message"]
         # A valid one: emb removed while a request to it is in flight, gen2 added.
-        box: dict[str, httpx.Response] = {}
-
-        def slow() -> None:
-            with srv.client() as c2:
-                box["r"] = c2.post("/v1/embeddings", json={"model": "emb", "input": "@@sleep=2"})
-
-        t = threading.Thread(target=slow)
-        t.start()
+        slow = srv.post_later("/v1/embeddings", {"model": "emb", "input": "@@sleep=2"})
         srv.wait_in_flight("emb")
         emb_block = original[original.index('[[models]]\nname = "emb"'):]
         config.write_text(original.replace(emb_block, "") + """
@@ -94,8 +79,7 @@ source = "fake:16MiB"
         r = c.post("/v1/admin/reload")
         assert r.status_code == 200, r.text
         assert r.json()["added"] == ["gen2"] and r.json()["removed"] == ["emb"]
-        t.join(timeout=30)
-        assert box["r"].status_code == 200  # the removed model drained first
+        assert slow.result(timeout=30).status_code == 200  # the removed model drained first
         names = [m["id"] for m in c.get("/v1/models").json()["data"]]
         assert "gen2" in names and "emb" not in names
         assert c.post(CHAT, json=chat("hi", model="gen2")).status_code == 200

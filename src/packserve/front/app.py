@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -285,8 +286,14 @@ class _Call:
         self.headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP
                         and k.lower() != b"x-request-id"]
         self.headers.append((b"x-request-id", rid.encode("latin-1")))
-        self.model = _model_of(request.url.path, body)
+        self.path = request.url.path
         self.on_stream_end: Callable[[], None] | None = None
+
+    @functools.cached_property
+    def model(self) -> str:
+        """The model it asks for, for crash metrics and messages: parsed only after a crash,
+        never on the way in (a body may be megabytes of JSON)."""
+        return _model_of(self.path, self.body)
 
 
 def _model_of(path: str, body: bytes) -> str:
