@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,13 +132,13 @@ def args(**kw: object) -> argparse.Namespace:
 def test_default_catalog_shares_minilm_and_smollm2_once(tmp_path: Path,
                                                         models_dir: Path) -> None:
     a = catalog(tmp_path, models_dir, "a.toml")
-    report = audit.build_audit(args(config=[str(a)]), None)
-    kinds = sorted((d["kind"], len(d["holders"])) for d in report["duplicates"])  # type: ignore[attr-defined]
+    report: dict[str, Any] = audit.build_audit(args(config=[str(a)]), None)
+    kinds = sorted((d["kind"], len(d["holders"])) for d in report["duplicates"])
     assert kinds == [("shared", 2), ("shared", 2)]
     # two configs = two processes: the same files are loaded twice, three times over
     b = catalog(tmp_path, models_dir, "b.toml")
-    report = audit.build_audit(args(config=[str(a), str(b)]), None)
-    dups = [d for d in report["duplicates"] if d["kind"] == "duplicated"]  # type: ignore[attr-defined]
+    both: dict[str, Any] = audit.build_audit(args(config=[str(a), str(b)]), None)
+    dups = [d for d in both["duplicates"] if d["kind"] == "duplicated"]
     assert len(dups) == 3 and all(d["loads"] == 2 for d in dups)
 
 
@@ -167,10 +168,10 @@ def test_two_running_servers_loading_the_same_file_are_duplicated(
         for s in (one, two):
             with s.client() as c:
                 assert c.post("/v1/embeddings", json=body).status_code == 200
-        report = audit.build_audit(args(config=[str(a)], server=[one.url, two.url],
+        report: dict[str, Any] = audit.build_audit(args(config=[str(a)], server=[one.url, two.url],
                                         together=["all-minilm-l6-v2"]), None)
-    (dup,) = report["duplicates"]  # type: ignore[misc]
+    (dup,) = report["duplicates"]
     assert dup["kind"] == "duplicated" and dup["loads"] == 2
-    assert TEST_DEVICE in {t["device"] for t in report["together"]}  # type: ignore[attr-defined]
-    (t,) = report["together"]  # type: ignore[misc]
+    assert TEST_DEVICE in {t["device"] for t in report["together"]}
+    (t,) = report["together"]
     assert "measured" in t["detail"][0]

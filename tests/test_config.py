@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from packserve.config import Config, ModelSpec, load_config, parse_bytes
+from packserve.config import Config, ModelSpec, load_config
 from packserve.errors import ConfigError
+from packserve.units import parse_bytes
 
 GiB = 2**30
 MiB = 2**20

@@ -4,6 +4,7 @@ after loading it through the real server and scheduler, in any load order."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,7 @@ from tests.helpers import serve
 
 pytestmark = pytest.mark.real
 
-REQUESTS = {
+REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "all-minilm-l6-v2": ("/v1/embeddings", {"input": "a sentence to embed"}),
     "smollm2-135m-instruct": ("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),

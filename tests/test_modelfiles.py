@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from packserve import modelfiles
+from packserve import backends, modelfiles
 from packserve.config import load_config
 from packserve.core.footprint import estimate, kv_cache_bytes
 from packserve.errors import ConfigError
@@ -30,7 +30,8 @@ def test_gguf_header_facts_of_smollm2(tmp_path: Path) -> None:
     assert facts.weight_bytes < facts.file_bytes  # Q4_1: about 4.5 bits per weight
     # KV cache at 2048 tokens, f16: 2 x 30 layers x 3 heads x 64 dims x 2048 x 2 bytes = 45 MiB
     assert kv_cache_bytes(facts, 2048) == 45 * MIB
-    fp = estimate("llama-cpp", facts, 2048)
+    engine = backends.get("llama-cpp")
+    fp = estimate(engine, facts, engine.load_spec(facts.path, "cpu", 2048, 1, {}))
     assert fp.total == fp.weights + fp.kv_cache + fp.overhead and fp.kv_cache == 45 * MIB
 
 
@@ -41,7 +42,8 @@ def test_safetensors_header_facts_of_minilm(tmp_path: Path) -> None:
     assert 22e6 < facts.n_params < 23e6  # all-MiniLM-L6-v2 has 22.7M parameters
     # Stored as F32, plus one int64 `position_ids` buffer of 512 entries.
     assert facts.weight_bytes == facts.n_params * 4 + 512 * 4
-    assert estimate("sentence-transformers", facts, 0).kv_cache == 0
+    engine = backends.get("sentence-transformers")
+    assert estimate(engine, facts, engine.load_spec(facts.path, "cpu", 0, 1, {})).kv_cache == 0
 
 
 def test_facts_cache_is_reused_and_invalidated(tmp_path: Path,

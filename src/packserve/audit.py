@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from packserve.units import format_bytes
+
 GB = 1_000_000_000
 MIB = 1 << 20
 
@@ -272,6 +274,7 @@ def base_of(path: Path) -> str:
 def config_loads(config_path: str | None, only: Iterable[str] | None = None,
                  where: str | None = None, cache: dict[Path, str] | None = None) -> list[Load]:
     """The loads of every (or `only` the named) model of a config, as one process would."""
+    from packserve import backends
     from packserve.config import load_config
     from packserve.server import build_entries
 
@@ -280,7 +283,8 @@ def config_loads(config_path: str | None, only: Iterable[str] | None = None,
     label = where or (config_path or "<built-in catalog>")
     out = []
     for entry in build_entries(config):
-        if entry.load.backend == "fake" or (names is not None and entry.spec.name not in names):
+        if not backends.get(entry.load.backend).reads_files or (
+                names is not None and entry.spec.name not in names):
             continue
         path = entry.load.path
         out.append(Load(where=label, model=entry.spec.name, load_key=entry.load.key,
@@ -325,7 +329,7 @@ def together_verdict(device: str, rows: Sequence[tuple[str, str, int, bool]],
             continue
         seen[key] = name
         need += size
-        detail.append(f"{name}: {size / MIB:.0f} MiB ({'measured' if measured else 'estimated'})")
+        detail.append(f"{name}: {format_bytes(size)} ({'measured' if measured else 'estimated'})")
     return Together(device=device, models=tuple(r[0] for r in rows), need_bytes=need,
                     capacity_bytes=capacity, fits=need <= capacity, detail=tuple(detail))
 
@@ -423,7 +427,7 @@ def print_audit(report: dict[str, object]) -> None:
     where = "GPU processes (NVML)" if report["gpu"] else "inference-like processes (RSS, no GPU)"
     t = Table("PID", "DEVICE", "HOLDS", "COMMAND", "FLAG", title=f"1. who holds memory: {where}")
     for p in procs:
-        t.add_row(str(p["pid"]), p["device"], f"{p['bytes'] / MIB:.0f} MiB",
+        t.add_row(str(p["pid"]), p["device"], f"{format_bytes(p['bytes'])}",
                   p["command"][:60], p["waste"] or "")
     console.print(t)
     dups = report["duplicates"]
@@ -431,7 +435,7 @@ def print_audit(report: dict[str, object]) -> None:
     console.print("[bold]2. weights loaded twice[/]" + ("" if dups else ": none"))
     for d in dups:
         console.print(f"  {d['kind']}: {d['note']}"
-                      + (f" (wastes {d['wasted_bytes'] / MIB:.0f} MiB)" if d["wasted_bytes"]
+                      + (f" (wastes {format_bytes(d['wasted_bytes'])})" if d["wasted_bytes"]
                          else ""))
         for h in d["holders"]:
             console.print(f"    - {h}")
@@ -441,7 +445,7 @@ def print_audit(report: dict[str, object]) -> None:
     for g in together:
         verdict = "fits" if g["fits"] else "DOES NOT FIT"
         console.print(f"  {g['device']}: {', '.join(g['models']) or '(nothing pinned)'} -> "
-                      f"{verdict}: needs {g['need_bytes'] / MIB:.0f} MiB of "
-                      f"{g['capacity_bytes'] / MIB:.0f} MiB (budget - headroom)")
+                      f"{verdict}: needs {format_bytes(g['need_bytes'])} of "
+                      f"{format_bytes(g['capacity_bytes'])} (budget - headroom)")
         for line in g["detail"]:
             console.print(f"    - {line}")

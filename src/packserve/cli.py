@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from packserve.errors import ConfigError
+from packserve.units import format_bytes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,9 +96,10 @@ def _ps(url: str) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     for d in summary["devices"]:
         console.print(
-            f"[bold]{d['name']}[/]: {_mib(d['used_bytes'])} used of {_mib(d['budget_bytes'])} "
-            f"budget; headroom {_mib(d['headroom_bytes'])} now, "
-            f"{_mib(d['headroom_min_bytes'])} lowest in {summary['window_seconds']:.0f}s")
+            f"[bold]{d['name']}[/]: {format_bytes(d['used_bytes'])} used of "
+            f"{format_bytes(d['budget_bytes'])} budget; headroom "
+            f"{format_bytes(d['headroom_bytes'])} now, "
+            f"{format_bytes(d['headroom_min_bytes'])} lowest in {summary['window_seconds']:.0f}s")
     p95: dict[str, float] = {}
     for row in summary["latency"]["by_model"]:
         p95[row["model"]] = max(p95.get(row["model"], 0.0), row["p95_seconds"])
@@ -107,18 +109,14 @@ def _ps(url: str) -> int:
     for m in data["models"]:
         last = f"{now - m['last_used']:.0f}s ago" if m["last_used"] else "-"
         table.add_row(m["name"], ",".join(m["tasks"]), m["state"], m["device"],
-                      "yes" if m["pinned"] else "", _mib(m["bytes_estimated"]),
-                      _mib(m["bytes_measured"]) if m["bytes_measured"] else "-",
+                      "yes" if m["pinned"] else "", format_bytes(m["bytes_estimated"]),
+                      format_bytes(m["bytes_measured"]) if m["bytes_measured"] else "-",
                       str(m["in_flight"]), str(m["queued"]),
                       f"{p95[m['name']] * 1000:.0f} ms" if m["name"] in p95 else "-", last,
                       f"{m['load_seconds']:.2f}" if m["load_seconds"] else "-",
                       m["error"] or "")
     console.print(table)
     return 0
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.0f} MiB"
 
 
 if __name__ == "__main__":

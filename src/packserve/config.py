@@ -18,10 +18,8 @@ from typing import Annotated, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ByteSize,
     ConfigDict,
     Field,
-    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -29,22 +27,7 @@ from pydantic import (
 
 from packserve.errors import ConfigError
 from packserve.types import Task
-
-_BYTES = TypeAdapter(ByteSize)
-
-
-def parse_bytes(value: object) -> int:
-    """Parse `6GiB`, `512MiB`, `1.5GB` or a plain integer into bytes."""
-    if isinstance(value, bool):
-        raise ValueError("expected a size such as 6GiB or a number of bytes")
-    try:
-        n = int(_BYTES.validate_python(value))
-    except ValidationError as exc:
-        raise ValueError(
-            f"{value!r} is not a size (write it like 6GiB, 512MiB or 1000000)") from exc
-    if n < 0:
-        raise ValueError("a size cannot be negative")
-    return n
+from packserve.units import parse_bytes
 
 
 def _parse_budget(value: object) -> int | Literal["auto"]:
@@ -55,23 +38,6 @@ def _parse_budget(value: object) -> int | Literal["auto"]:
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 Budget = Annotated[int | Literal["auto"], BeforeValidator(_parse_budget)]
-
-Backend = Literal["sentence-transformers", "cross-encoder", "llama-cpp", "fake"]
-
-BACKEND_TASKS: Mapping[str, frozenset[Task]] = {
-    "sentence-transformers": frozenset({Task.EMBED, Task.RERANK}),
-    "cross-encoder": frozenset({Task.RERANK}),
-    "llama-cpp": frozenset({Task.CHAT, Task.COMPLETE}),
-    "fake": frozenset(Task),
-}
-
-# One request at a time per llama.cpp context; the embedders batch concurrent requests.
-DEFAULT_MAX_CONCURRENCY: Mapping[str, int] = {
-    "sentence-transformers": 32,
-    "cross-encoder": 32,
-    "llama-cpp": 1,
-    "fake": 4,
-}
 
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -117,7 +83,7 @@ class ModelSpec(_Strict):
 
     name: str
     tasks: list[Task] = Field(min_length=1)
-    backend: Backend
+    backend: str  # an engine in packserve.backends' registry
     source: str
     device: str = "auto"
     pin: bool = False
@@ -136,6 +102,14 @@ class ModelSpec(_Strict):
             raise ValueError("use letters, digits and . _ : / - (at most 128 characters)")
         return v
 
+    @field_validator("backend")
+    @classmethod
+    def _backend_known(cls, v: str) -> str:
+        from packserve import backends
+
+        backends.get(v)  # raises ValueError naming the engines there are
+        return v
+
     @field_validator("device")
     @classmethod
     def _device_ok(cls, v: str) -> str:
@@ -150,7 +124,9 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _tasks_match_backend(self) -> ModelSpec:
-        allowed = BACKEND_TASKS[self.backend]
+        from packserve import backends
+
+        allowed = backends.get(self.backend).tasks
         bad = [t.value for t in self.tasks if t not in allowed]
         if bad:
             raise ValueError(
@@ -161,7 +137,9 @@ class ModelSpec(_Strict):
 
     @property
     def concurrency(self) -> int:
-        return self.max_concurrency or DEFAULT_MAX_CONCURRENCY[self.backend]
+        from packserve import backends
+
+        return self.max_concurrency or backends.get(self.backend).default_concurrency
 
 
 class Config(_Strict):

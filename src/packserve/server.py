@@ -4,26 +4,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from packserve.config import AUTO_BUDGET_FRACTION, Config, DeviceConfig
+from packserve import backends
+from packserve.config import AUTO_BUDGET_FRACTION, Config, DeviceConfig, ModelSpec
 from packserve.core.backend import BackendFactory, LoadSpec
+from packserve.core.engine import Engine
 from packserve.core.events import EventSink, log_event
-from packserve.core.footprint import estimate
 from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
 from packserve.core.policy import VictimPolicy, lru_by_bytes
 from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Scheduler
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
+from packserve.planner.sizing import Breakdown
 from packserve.sources import resolve_source
 
 if TYPE_CHECKING:
     from packserve.metrics.telemetry import Telemetry
 
 log = logging.getLogger("packserve.server")
-
-DEFAULT_LLAMA_CONTEXT = 2048
 
 
 def resolve_device(requested: str) -> str:
@@ -32,44 +33,56 @@ def resolve_device(requested: str) -> str:
     return "cuda:0" if cuda_available() else "cpu"
 
 
-def build_entries(config: Config) -> list[Entry]:
-    """Resolve every model's source and estimate its footprint. Raises ConfigError."""
-    entries = []
+@dataclass(frozen=True)
+class Resolved:
+    """One model entry made concrete: its engine, its load and what its files say."""
+
+    spec: ModelSpec
+    engine: Engine
+    load: LoadSpec
+    facts: ModelFacts | None  # None for an engine that reads no files
+
+    def breakdown(self, context: int | None = None, sequences: int = 1) -> Breakdown:
+        """What this entry's load holds, by kind (at another `context`, for the planner)."""
+        load = self.load if context is None else replace(self.load, context_length=context)
+        return self.engine.size(self.facts, load, self.spec.name, sequences)
+
+
+def resolve_models(config: Config) -> list[Resolved]:
+    """Resolve every model's source through its engine. Raises ConfigError."""
+    out = []
     base = Path(config.base_dir)
     models_dir = config.data_path / "models"
     facts_by_path: dict[Path, ModelFacts] = {}
     for i, spec in enumerate(config.models):
         where = f"models[{i}] ({spec.name})"
-        device = resolve_device(spec.device)
-        if spec.backend == "fake":
-            from packserve.backends.fake import declared_bytes
-
-            load = LoadSpec(backend="fake", path=Path(spec.source), device=device,
-                            context_length=spec.context_length or 0, max_batch=spec.max_batch)
-            entries.append(Entry(spec=spec, load=load, bytes_estimated=declared_bytes(load)))
-            continue
-        try:
-            path = resolve_source(spec.source, base_dir=base, models_dir=models_dir)
-            facts = facts_by_path.get(path) or read_facts_cached(
-                path, config.data_path / "model_facts.json")
-            facts_by_path[path] = facts
-        except ConfigError as exc:
-            raise ConfigError(f"{where}.source: {exc.message}") from exc
-        if spec.backend == "llama-cpp":
-            if path.suffix != ".gguf":
-                raise ConfigError(f"{where}.source: llama-cpp needs a .gguf file, got {path}")
-            context = spec.context_length or min(DEFAULT_LLAMA_CONTEXT,
-                                                 facts.context_length or DEFAULT_LLAMA_CONTEXT)
+        engine = backends.get(spec.backend)
+        facts: ModelFacts | None = None
+        if engine.reads_files:
+            try:
+                path = resolve_source(spec.source, base_dir=base, models_dir=models_dir)
+                facts = facts_by_path.get(path) or read_facts_cached(
+                    path, config.data_path / "model_facts.json")
+                facts_by_path[path] = facts
+            except ConfigError as exc:
+                raise ConfigError(f"{where}.source: {exc.message}") from exc
+            problem = engine.check_source(path)
+            if problem is not None:
+                raise ConfigError(f"{where}.source: {engine.name} needs {problem}")
         else:
-            if not path.is_dir():
-                raise ConfigError(f"{where}.source: {spec.backend} needs a model directory")
-            context = spec.context_length or 0
-        load = LoadSpec(backend=spec.backend, path=path, device=device, context_length=context,
-                        max_batch=spec.max_batch, trust_remote_code=spec.trust_remote_code,
-                        allow_pickle=spec.allow_pickle)
-        entries.append(Entry(spec=spec, load=load,
-                             bytes_estimated=estimate(spec.backend, facts, context).total))
-    return entries
+            path = Path(spec.source)
+        load = engine.load_spec(path, resolve_device(spec.device),
+                                engine.context(spec.context_length, facts), spec.max_batch,
+                                {"trust_remote_code": spec.trust_remote_code,
+                                 "allow_pickle": spec.allow_pickle})
+        out.append(Resolved(spec=spec, engine=engine, load=load, facts=facts))
+    return out
+
+
+def build_entries(config: Config) -> list[Entry]:
+    """The scheduler's catalog: every model resolved and estimated. Raises ConfigError."""
+    return [Entry(spec=r.spec, load=r.load, bytes_estimated=r.breakdown().total)
+            for r in resolve_models(config)]
 
 
 def device_budgets(config: Config, devices: set[str], probe: MemoryProbe) -> list[DeviceBudget]:
@@ -111,18 +124,17 @@ def build_scheduler(
     """The scheduler for `config`, with packserve's victim policy unless given one (for every
     device, or by device name: the bench replays other engines' rules). Must be called from
     the thread that runs the event loop."""
-    from packserve.backends import create_backend
-
     probe = probe or SystemProbe()
     entries = build_entries(config)  # engines are imported by their first load
     budgets = device_budgets(config, {e.load.device for e in entries}, probe)
     scheduler = Scheduler(
-        entries, budgets, factory or create_backend, probe,
+        entries, budgets, factory or backends.create_backend, probe,
         FootprintStore(config.data_path / "footprints.json"),
         load_wait_s=config.server.load_wait_s,
         failure_cooldown_s=config.server.failure_cooldown_s,
         victim_policy=victim_policy,
         sinks=sinks,
+        check_files=backends.check_weights,
     )
     scheduler.check_pins()
     return scheduler

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from packserve.api.batching import Batchers
-from packserve.core.backend import Backend, Embeddings, LoadSpec
+from packserve.core.backend import Backend, Embeddings, LoadSpec, Runner
 from packserve.errors import InputTooLong
 
 
@@ -38,10 +38,11 @@ def backend(max_batch: int = 64) -> CountingEmbedder:
 def test_requests_arriving_during_a_pass_share_the_next_pass() -> None:
     async def run() -> tuple[CountingEmbedder, list[Embeddings]]:
         b = backend()
-        batcher = Batchers().for_backend(b)
-        first = asyncio.create_task(batcher.embed(b, ["a"]))
+        r = Runner(b)
+        batcher = Batchers().for_runner(r)
+        first = asyncio.create_task(batcher.embed(r, ["a"]))
         await asyncio.sleep(0)  # let the first pass start and block in its thread
-        rest = [asyncio.create_task(batcher.embed(b, ["x" * i])) for i in range(2, 12)]
+        rest = [asyncio.create_task(batcher.embed(r, ["x" * i])) for i in range(2, 12)]
         await asyncio.sleep(0)
         b.release.set()
         return b, await asyncio.wait_for(asyncio.gather(first, *rest), 30)
@@ -56,8 +57,9 @@ def test_max_batch_splits_passes() -> None:
     async def run() -> CountingEmbedder:
         b = backend(max_batch=4)
         b.release.set()
-        batcher = Batchers().for_backend(b)
-        await asyncio.wait_for(asyncio.gather(*(batcher.embed(b, ["t", "t"]) for _ in range(5))),
+        r = Runner(b)
+        batcher = Batchers().for_runner(r)
+        await asyncio.wait_for(asyncio.gather(*(batcher.embed(r, ["t", "t"]) for _ in range(5))),
                                30)
         return b
 
@@ -68,10 +70,11 @@ def test_max_batch_splits_passes() -> None:
 def test_a_bad_input_fails_only_its_own_request() -> None:
     async def run() -> list[Embeddings | BaseException]:
         b = backend()
-        batcher = Batchers().for_backend(b)
-        first = asyncio.create_task(batcher.embed(b, ["warm"]))
+        r = Runner(b)
+        batcher = Batchers().for_runner(r)
+        first = asyncio.create_task(batcher.embed(r, ["warm"]))
         await asyncio.sleep(0)
-        others = [asyncio.create_task(batcher.embed(b, [t])) for t in ("ok1", "bad", "ok2")]
+        others = [asyncio.create_task(batcher.embed(r, [t])) for t in ("ok1", "bad", "ok2")]
         await asyncio.sleep(0)
         b.release.set()
         return list(await asyncio.wait_for(

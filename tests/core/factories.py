@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from packserve.backends import check_weights
 from packserve.backends.fake import FakeBackend, FakeControl
 from packserve.config import ModelSpec
-from packserve.core.backend import Backend, LoadSpec
+from packserve.core.backend import Backend, LoadSpec, Runner
 from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
 from packserve.core.policy import VictimPolicy, lru_by_bytes
 from packserve.core.scheduler import (
@@ -26,7 +27,6 @@ from packserve.core.scheduler import (
     FootprintStore,
     ModelStatus,
     Scheduler,
-    check_weights,
 )
 from packserve.types import State, Task
 
@@ -228,11 +228,16 @@ def run(coro: Coroutine[object, object, None]) -> None:
 
 
 async def use(scheduler: Scheduler, name: str, task: Task = Task.EMBED, *,
-              request_id: str = "") -> Backend:
-    """One request: take a lease, return the backend it lent."""
+              request_id: str = "") -> Runner:
+    """One request: take a lease, return the runner it lent."""
     async with scheduler.acquire(name, task, request_id=request_id) as lease:
         assert lease.model == name
-        return lease.backend
+        return lease.runner
+
+
+def backend_of(runner: Runner) -> Backend:
+    """The backend a runner runs (white box: which load a lease lent)."""
+    return runner._backend
 
 
 async def drain(rounds: int = 50) -> None:

@@ -30,6 +30,7 @@ from tests.core.factories import (
     MIB,
     TIMEOUT,
     FakeProbe,
+    backend_of,
     drain,
     entry,
     harness,
@@ -59,7 +60,7 @@ def test_twenty_concurrent_acquires_on_a_cold_model_load_it_once() -> None:
         assert len(h.built) == 1
         assert h.control.loads == {"fake:100MiB": 1}
         assert h.events.names(LoadEvent) == ["m"]
-        assert all(b is h.built[0] for b in backends)
+        assert all(backend_of(b) is h.built[0] for b in backends)
         assert h.state("m") is State.HOT
         assert h.status("m").in_flight == 0
         await h.scheduler.close()

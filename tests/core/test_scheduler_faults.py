@@ -50,6 +50,7 @@ from tests.core.factories import (
     MIB,
     TIMEOUT,
     Sleeper,
+    backend_of,
     drain,
     entry,
     file_entry,
@@ -172,7 +173,7 @@ def test_waiter_gone_during_the_engine_load_leaves_it_to_finish_and_publish() ->
             assert h.used == 100 * MIB  # its bytes stay reserved
         finally:
             h.control.gate.set()
-        backend = await asyncio.wait_for(stays, TIMEOUT)
+        backend = backend_of(await asyncio.wait_for(stays, TIMEOUT))
         assert backend is h.built[0]
         assert h.state("m") is State.HOT
 
@@ -740,7 +741,7 @@ def test_admitting_loading_unloading_are_visible_with_their_memory() -> None:
         finally:
             h.control.unload_gate.set()
         await asyncio.wait_for(unloading, TIMEOUT)
-        backend = await asyncio.wait_for(again, TIMEOUT)
+        backend = backend_of(await asyncio.wait_for(again, TIMEOUT))
         assert backend is h.built[-1] and len(h.built) == 3
         assert h.status("x").state is State.HOT
         assert h.used == 200 * MIB == h.loaded_bytes()
@@ -797,7 +798,7 @@ def test_reconfigure_new_weights_are_a_remove_and_add_under_the_same_name() -> N
         report = await s.reconfigure([entry("m", context_length=512)])
         assert report == ReconfigureReport(added=(), removed=(), changed=("m",))
 
-        backend = await use(s, "m")  # new requests get the new weights
+        backend = backend_of(await use(s, "m"))  # new requests get the new weights
         assert backend is h.built[1] and backend.spec.context_length == 512
         assert h.used == 200 * MIB  # the old weights serve their request meanwhile
         await old.release()

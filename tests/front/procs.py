@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -43,7 +44,7 @@ class Served:
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")
 
-    def events(self, kind: str) -> list[dict[str, object]]:
+    def events(self, kind: str) -> list[dict[str, Any]]:
         rows = []
         for line in self.log().splitlines():
             if line.startswith("{") and f'"kind": "{kind}"' in line:

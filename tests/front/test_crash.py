@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -45,7 +46,7 @@ def metric(srv: Served, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Served:
+def served(tmp_path: Path) -> Iterator[Served]:
     with serve_process(fake_config(tmp_path), tmp_path) as srv:
         yield srv
 

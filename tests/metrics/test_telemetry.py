@@ -15,6 +15,7 @@ from packserve.core.backend import LoadSpec
 from packserve.core.events import RequestEvent
 from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
 from packserve.metrics.telemetry import Telemetry
+from packserve.types import Task
 from tests.helpers import Running, config_from, serve
 
 MIB = 1 << 20
@@ -151,7 +152,7 @@ def test_cost_figures_are_exported_and_consistent(fake: Running) -> None:
 
 
 def test_refused_requests_are_counted_but_not_timed(tmp_path: Path) -> None:
-    spec = ModelSpec(name="m", tasks=["embed"], backend="fake", source="fake:1MiB")
+    spec = ModelSpec(name="m", tasks=[Task.EMBED], backend="fake", source="fake:1MiB")
     load = LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu", context_length=0)
     scheduler = Scheduler([Entry(spec=spec, load=load, bytes_estimated=MIB)],
                           [DeviceBudget("cpu", 10 * MIB, 0)], factory=lambda s: None,  # type: ignore[arg-type,return-value]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,9 +15,9 @@ from packserve.server import build_entries
 GB = 1_000_000_000
 
 
-def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
     assert main(["plan", *args, "--json"]) == 0
-    out: dict[str, object] = json.loads(capsys.readouterr().out)
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
     return out
 
 
@@ -53,7 +54,7 @@ def test_overrides_flow_into_the_cost(capsys: pytest.CaptureFixture[str]) -> Non
     report = plan_json(capsys, "--params", "7B", "--gpu", "l4", "--price-per-hour", "1.0",
                        "--flat-monthly", "365", "--tokens-per-second", "500",
                        "--purchase-price", "7300")
-    (l4,) = report["gpus"]  # type: ignore[misc]
+    (l4,) = report["gpus"]
     cost = l4["cost"]
     assert l4["count"] == 1 and cost["per_hour"] == 1.0
     assert cost["per_million_tokens"] == pytest.approx(1.0 / 1.8, abs=0.01)
@@ -65,9 +66,9 @@ def test_training_tasks_report_gradients_and_optimizer(
         capsys: pytest.CaptureFixture[str]) -> None:
     report = plan_json(capsys, "--params", "7B", "--precision", "bf16", "--task", "full",
                        "--context", "512")
-    (m,) = report["models"]  # type: ignore[misc]
+    (m,) = report["models"]
     assert m["optimizer_bytes"] == 2 * m["gradients_bytes"] > 0
-    assert {g["name"]: g["count"] for g in report["gpus"]}["H100"] == 1  # type: ignore[attr-defined]
+    assert {g["name"]: g["count"] for g in report["gpus"]}["H100"] == 1
 
 
 def test_bad_inputs_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,15 +83,15 @@ def test_plan_of_the_default_catalog_uses_the_admission_estimate(
         tmp_path: Path, models_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = catalog_config(tmp_path, models_dir)
     report = plan_json(capsys, "--config", str(config))
-    models = {m["name"]: m for m in report["models"]}  # type: ignore[attr-defined]
+    models = {m["name"]: m for m in report["models"]}
     # shared loads count once, as in the server
     assert set(models) == {"all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"}
     admission = {e.spec.name: e.bytes_estimated for e in build_entries(load_config(config))}
     for name, m in models.items():
         assert m["total_bytes"] == admission[name]
     assert report["total_bytes"] == sum(m["total_bytes"] for m in models.values()) \
-        + report["runtime_bytes"]  # type: ignore[operator]
-    assert all(g["count"] == 1 for g in report["gpus"])  # type: ignore[attr-defined]
+        + report["runtime_bytes"]
+    assert all(g["count"] == 1 for g in report["gpus"])
 
 
 @pytest.mark.real
@@ -103,4 +104,4 @@ def test_price_set_on_a_cuda_device_in_the_config_is_used(
     if "price_per_hour" not in DeviceConfig.model_fields:
         pytest.skip("this config schema has no price_per_hour")
     report = plan_json(capsys, "--config", str(config), "--gpu", "L4")
-    assert report["gpus"][0]["cost"]["per_hour"] == 0.9  # type: ignore[index]
+    assert report["gpus"][0]["cost"]["per_hour"] == 0.9

@@ -1,7 +1,7 @@
-"""Coalesce concurrent embedding calls on one backend into one forward pass.
+"""Coalesce concurrent embedding calls on one loaded model into one forward pass.
 
 While a batch runs in a worker thread, new requests queue; the next batch takes all of them
-(up to `max_batch` inputs). Each caller still holds its own lease, so the backend cannot be
+(up to `max_batch` inputs). Each caller still holds its own lease, so the model cannot be
 evicted under a batch. If a combined batch fails, its requests run one by one so that only the
 request with the bad input gets the error.
 """
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from packserve.core.backend import Backend, Embeddings
+from packserve.core.backend import Embeddings, Runner
 
 
 @dataclass
 class _Pending:
-    backend: Backend
+    runner: Runner
     texts: list[str]
     future: asyncio.Future[Embeddings]
     ran: asyncio.Event = field(default_factory=asyncio.Event)  # its batch's thread returned
@@ -32,10 +32,10 @@ class EmbedBatcher:
         self._pending: list[_Pending] = []
         self._worker: asyncio.Task[None] | None = None
 
-    async def embed(self, backend: Backend, texts: list[str]) -> Embeddings:
-        """Embed `texts` on `backend`; the caller holds a lease on it until this returns."""
+    async def embed(self, runner: Runner, texts: list[str]) -> Embeddings:
+        """Embed `texts` on `runner`; the caller holds a lease on it until this returns."""
         future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
-        item = _Pending(backend, texts, future)
+        item = _Pending(runner, texts, future)
         self._pending.append(item)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -72,7 +72,7 @@ class EmbedBatcher:
     async def _run(self, batch: list[_Pending]) -> None:
         texts = [t for p in batch for t in p.texts]
         try:
-            out = await asyncio.to_thread(batch[0].backend.embed, texts)
+            out = await asyncio.to_thread(batch[0].runner.embed, texts)
         except Exception as exc:
             if len(batch) == 1:
                 _settle(batch[0].future, exc)
@@ -95,15 +95,16 @@ def _settle(future: asyncio.Future[Embeddings], exc: Exception) -> None:
 
 
 class Batchers:
-    """One batcher per loaded backend; forgotten when the backend is garbage-collected."""
+    """One batcher per load (the scheduler makes one `Runner` per load, which names it);
+    forgotten when the runner is garbage-collected, after its unload."""
 
     def __init__(self) -> None:
-        self._by_backend: weakref.WeakKeyDictionary[Backend, EmbedBatcher] = (
+        self._by_runner: weakref.WeakKeyDictionary[Runner, EmbedBatcher] = (
             weakref.WeakKeyDictionary())
 
-    def for_backend(self, backend: Backend) -> EmbedBatcher:
-        batcher = self._by_backend.get(backend)
+    def for_runner(self, runner: Runner) -> EmbedBatcher:
+        batcher = self._by_runner.get(runner)
         if batcher is None:
-            batcher = EmbedBatcher(backend.spec.max_batch)
-            self._by_backend[backend] = batcher
+            batcher = EmbedBatcher(runner.max_batch)
+            self._by_runner[runner] = batcher
         return batcher

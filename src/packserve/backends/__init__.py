@@ -1,35 +1,69 @@
-"""Engines behind the `Backend` contract (packserve.core.backend), one module each."""
+"""The registry of engines: the one list of what `backend = NAME` may name.
+
+Each engine's module declares `ENGINES`, a tuple of `packserve.core.engine.Engine`; adding an
+engine is one new module here plus one line in `_BUILT_IN`. Everything else (config checks,
+the server's wiring, footprints, the planner, the audit, the benches) asks this module.
+Importing it imports no engine library: each backend imports its own in `prepare()`.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Iterable
+
 from packserve.core.backend import Backend, LoadSpec
+from packserve.core.engine import Engine
+
+_BUILT_IN = (
+    "packserve.backends.sentence_tf",
+    "packserve.backends.llama",
+    "packserve.backends.fake",
+)
+
+_ENGINES: dict[str, Engine] = {}
+
+
+def register(engine: Engine) -> Engine:
+    """Add `engine` to the registry; a name can be registered once."""
+    if engine.name in _ENGINES and _ENGINES[engine.name] is not engine:
+        raise ValueError(f"an engine named {engine.name!r} is already registered")
+    _ENGINES[engine.name] = engine
+    return engine
+
+
+def unregister(name: str) -> None:
+    """Remove an engine registered at run time (tests do; built-in engines stay)."""
+    _ENGINES.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_ENGINES)
+
+
+def get(name: str) -> Engine:
+    """The engine called `name`. Raises ValueError naming the engines there are."""
+    engine = _ENGINES.get(name)
+    if engine is None:
+        raise ValueError(f"unknown backend {name!r} (packserve has: {', '.join(_ENGINES)})")
+    return engine
 
 
 def create_backend(spec: LoadSpec) -> Backend:
-    """The server's backend factory: picks the engine named by `spec.backend`."""
-    if spec.backend == "sentence-transformers":
-        from packserve.backends.sentence_tf import SentenceTransformerBackend
-
-        return SentenceTransformerBackend(spec)
-    if spec.backend == "cross-encoder":
-        from packserve.backends.sentence_tf import CrossEncoderBackend
-
-        return CrossEncoderBackend(spec)
-    if spec.backend == "llama-cpp":
-        from packserve.backends.llama import LlamaCppBackend
-
-        return LlamaCppBackend(spec)
-    if spec.backend == "fake":
-        from packserve.backends.fake import FakeBackend
-
-        return FakeBackend(spec)
-    raise ValueError(f"unknown backend {spec.backend!r}")
+    """The server's backend factory: the engine named by `spec.backend` builds it."""
+    return get(spec.backend).build(spec)
 
 
-def prepare(backends: set[str]) -> None:
-    """Import engine libraries once at start, so their import cost is not counted in the
-    first model's measured footprint nor paid by its first request."""
-    if backends & {"sentence-transformers", "cross-encoder"}:
-        import sentence_transformers  # noqa: F401
-    if "llama-cpp" in backends:
-        import llama_cpp  # noqa: F401
+def check_weights(spec: LoadSpec) -> None:
+    """The server's check before every load: the weight files' headers, where there are files."""
+    get(spec.backend).check_weights(spec)
+
+
+def prepare(backends: Iterable[str]) -> None:
+    """Import engine libraries now, so that no load pays for it in its measured footprint."""
+    for name in sorted(set(backends)):
+        get(name).prepare()
+
+
+for _module in _BUILT_IN:
+    for _engine in importlib.import_module(_module).ENGINES:
+        register(_engine)

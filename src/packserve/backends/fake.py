@@ -18,9 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from packserve.config import parse_bytes
 from packserve.core.backend import (
     Backend,
     Embeddings,
@@ -31,6 +28,11 @@ from packserve.core.backend import (
     OnText,
     Ranking,
 )
+from packserve.core.engine import Engine
+from packserve.modelfiles import ModelFacts
+from packserve.planner.sizing import Breakdown
+from packserve.types import Task
+from packserve.units import parse_bytes
 
 
 def _out_of_memory(name: str) -> Exception:
@@ -89,6 +91,8 @@ class FakeBackend(Backend):
         return declared_bytes(self.spec) if self._loaded else 0
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
+        import numpy as np
+
         for t in texts:
             _directives(t, None)
         rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
@@ -114,6 +118,16 @@ class FakeBackend(Backend):
                 break
         return Generated(text=" ".join(words), finish_reason="stop",
                          prompt_tokens=len(prompt.split()), completion_tokens=len(words))
+
+
+def _size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:
+    return Breakdown(name=name, weights=declared_bytes(load),
+                     assumptions=(f"{name}: the fake engine's declared size",))
+
+
+ENGINE = Engine(name="fake", tasks=frozenset(Task), default_concurrency=4, build=FakeBackend,
+                size=_size, reads_files=False)
+ENGINES = (ENGINE,)
 
 
 _DIRECTIVE = re.compile(r"@@(sleep|signal)=([A-Za-z0-9.]+)")

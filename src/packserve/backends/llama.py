@@ -10,10 +10,18 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-from packserve.core.backend import Backend, Generated, GenerationParams, Message, OnText
+from packserve.core.backend import Backend, Generated, GenerationParams, LoadSpec, Message, OnText
+from packserve.core.engine import Engine
+from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong, InvalidRequest
+from packserve.modelfiles import ModelFacts
+from packserve.planner.sizing import Breakdown, llama_cpp_breakdown
+from packserve.types import Task
+
+DEFAULT_CONTEXT = 2048  # tokens of KV cache unless the entry or the model asks for fewer
 
 # JSON strings may not hold raw control characters; llama.cpp's schema converter allows them,
 # which lets a small model wander inside a string until max_tokens. Tighten the rule.
@@ -44,7 +52,7 @@ class LlamaCppBackend(Backend):
         self.name = self.spec.path.name
 
     def prepare(self) -> None:
-        import llama_cpp  # noqa: F401
+        ENGINE.prepare()
 
     def load(self) -> None:
         from llama_cpp import Llama, llama_supports_gpu_offload
@@ -141,3 +149,24 @@ class LlamaCppBackend(Backend):
 
 def _finish(choice: dict[str, Any]) -> Any:
     return "length" if choice.get("finish_reason") == "length" else "stop"
+
+
+def _context(requested: int | None, facts: ModelFacts | None) -> int:
+    trained = facts.context_length if facts is not None else 0
+    return requested or min(DEFAULT_CONTEXT, trained or DEFAULT_CONTEXT)
+
+
+def _size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:
+    assert facts is not None  # reads_files
+    return llama_cpp_breakdown(shape_of(facts, name), load.context_length, sequences)
+
+
+def _gguf(path: Path) -> str | None:
+    return None if path.suffix == ".gguf" else f"a .gguf file, got {path}"
+
+
+# One request at a time per llama.cpp context.
+ENGINE = Engine(name="llama-cpp", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
+                default_concurrency=1, build=LlamaCppBackend, size=_size, check_source=_gguf,
+                context=_context, library="llama_cpp")
+ENGINES = (ENGINE,)

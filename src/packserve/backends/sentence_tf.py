@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from packserve.core.backend import Backend, Embeddings, Ranking
+from packserve.core.backend import Backend, Embeddings, LoadSpec, Ranking
+from packserve.core.engine import Engine
+from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong
+from packserve.modelfiles import ModelFacts
+from packserve.planner.sizing import Breakdown, encoder_breakdown
+from packserve.types import Task
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,7 +31,7 @@ class _TorchBackend(Backend):
     _model: Any = None
 
     def prepare(self) -> None:
-        import sentence_transformers  # noqa: F401  (torch, transformers: seconds, ~400 MiB)
+        SENTENCE_TRANSFORMERS.prepare()  # torch, transformers: seconds, ~400 MiB
 
     def _check_files(self) -> None:
         path = self.spec.path
@@ -83,12 +87,16 @@ class SentenceTransformerBackend(_TorchBackend):
         self._model = SentenceTransformer(str(self.spec.path), **self._kwargs())
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
+        import numpy as np
+
         tokens = self._count_tokens(texts, "input")
         vectors = self._model.encode(list(texts), batch_size=self.spec.max_batch,
                                      convert_to_numpy=True, show_progress_bar=False)
         return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        import numpy as np
+
         tokens = sum(self._count_tokens([query], "query")) + sum(
             self._count_tokens(documents, "documents"))
         vectors = self._model.encode([query, *documents], batch_size=self.spec.max_batch,
@@ -109,8 +117,32 @@ class CrossEncoderBackend(_TorchBackend):
         self._model = CrossEncoder(str(self.spec.path), **self._kwargs())
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        import numpy as np
+
         tokens = sum(self._count_tokens([query], "query")) + sum(
             self._count_tokens(documents, "documents"))
         scores = self._model.predict([(query, d) for d in documents],
                                      batch_size=self.spec.max_batch, show_progress_bar=False)
         return Ranking(scores=[float(s) for s in np.asarray(scores).reshape(-1)], tokens=tokens)
+
+
+def _size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:
+    assert facts is not None  # reads_files
+    return encoder_breakdown(shape_of(facts, name))
+
+
+def _directory(path: Path) -> str | None:
+    return None if path.is_dir() else "a model directory"
+
+
+_TORCH_OPTIONS = frozenset({"trust_remote_code", "allow_pickle"})
+# The embedders batch concurrent requests (api/batching.py), so many may wait on one load.
+SENTENCE_TRANSFORMERS = Engine(
+    name="sentence-transformers", tasks=frozenset({Task.EMBED, Task.RERANK}),
+    default_concurrency=32, build=SentenceTransformerBackend, size=_size,
+    check_source=_directory, load_options=_TORCH_OPTIONS, library="sentence_transformers")
+CROSS_ENCODER = Engine(
+    name="cross-encoder", tasks=frozenset({Task.RERANK}), default_concurrency=32,
+    build=CrossEncoderBackend, size=_size, check_source=_directory,
+    load_options=_TORCH_OPTIONS, library="sentence_transformers")
+ENGINES = (SENTENCE_TRANSFORMERS, CROSS_ENCODER)

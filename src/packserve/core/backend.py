@@ -4,8 +4,9 @@ Who calls what, and when:
 - The scheduler's factory builds a backend from a `LoadSpec`, then calls `load()` once, in a
   worker thread, while the scheduler holds its device lock. `unload()` is called once, in a worker
   thread, only when no lease is out. Nothing else touches the lifecycle.
-- Request handlers get a backend from a `Lease` and call the task methods in a worker thread
-  (never on the event loop). They may assume `load()` has returned and `unload()` has not started.
+- Request handlers never see a backend. A `Lease` lends them its `Runner`, which has the task
+  methods and nothing of the lifecycle; they call it in a worker thread (never on the event
+  loop) and may assume `load()` has returned and `unload()` has not started.
 - A backend that serves several tasks or several catalog names (shared weights) must tolerate
   concurrent task calls; llama.cpp's backend serialises them with its own lock.
 """
@@ -15,17 +16,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Literal
 
 from packserve.errors import TaskNotSupported
+
+if TYPE_CHECKING:  # numpy is imported by the engines that make vectors, not by the config
+    import numpy as np
+    import numpy.typing as npt
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Everything a backend needs to load one set of weights. Equal specs share one load."""
+    """Everything a backend needs to load one set of weights.
+
+    `key` is packserve's one definition of "one load": the engine, the weights, the device and
+    the settings that change what is loaded. Catalog names whose specs have equal keys share
+    one load (the scheduler, the planner and the audit all count it once). `max_batch` is a
+    per-entry limit, not part of the key: a shared load runs with the first entry's."""
 
     backend: str
     path: Path
@@ -37,7 +44,9 @@ class LoadSpec:
 
     @property
     def key(self) -> str:
-        return f"{self.backend}|{self.path}|{self.device}|ctx={self.context_length}"
+        flags = "".join(f"|{name}" for name, on in (("trust_remote_code", self.trust_remote_code),
+                                                    ("allow_pickle", self.allow_pickle)) if on)
+        return f"{self.backend}|{self.path}|{self.device}|ctx={self.context_length}{flags}"
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,44 @@ class Backend:
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot complete text")
+
+
+class Runner:
+    """What a lease lends: one loaded backend's task methods, and nothing of its lifecycle.
+
+    The scheduler makes one per load, when the load succeeds, and lends that same object to
+    every lease on it until it is unloaded; so its identity names the load (catalog names that
+    share weights share one runner, and the embedding batcher keys on it). Called in worker
+    threads, never on the event loop, only while a lease on it is held.
+    """
+
+    __slots__ = ("__weakref__", "_backend")
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    @property
+    def name(self) -> str:
+        return self._backend.name
+
+    @property
+    def max_batch(self) -> int:
+        """The most inputs one embedding call should take."""
+        return self._backend.spec.max_batch
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        return self._backend.embed(texts)
+
+    def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        return self._backend.rerank(query, documents)
+
+    def chat(self, messages: Sequence[Message], params: GenerationParams,
+             on_text: OnText | None = None) -> Generated:
+        return self._backend.chat(messages, params, on_text)
+
+    def complete(self, prompt: str, params: GenerationParams,
+                 on_text: OnText | None = None) -> Generated:
+        return self._backend.complete(prompt, params, on_text)
 
 
 BackendFactory = Callable[[LoadSpec], Backend]

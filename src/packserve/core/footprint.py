@@ -1,7 +1,8 @@
 """Estimate a model's memory footprint before loading it, from the facts in its own files.
 
-The scheduler admits a model by this estimate until it has measured the real figure. The
-arithmetic lives in `packserve.planner.sizing`, shared with `packserve plan`:
+The scheduler admits a model by this estimate until it has measured the real figure. Each
+engine declares its sizer (`Engine.size`); the arithmetic lives in `packserve.planner.sizing`,
+shared with `packserve plan`:
 - llama.cpp: weights as stored (quantised bytes) + KV cache in f16
   (2 x layers x kv_heads x head_dim x context x 2 bytes, one sequence) + 20 MiB plus 122 bytes
   per vocabulary entry (vocabulary tables, output and touched compute buffers).
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from packserve.core.backend import LoadSpec
+from packserve.core.engine import Engine
 from packserve.modelfiles import ModelFacts
 from packserve.planner import sizing
-from packserve.planner.sizing import Architecture, Breakdown, ModelShape
+from packserve.planner.sizing import Architecture, ModelShape
 
 MIB = 1 << 20
 
@@ -50,17 +53,8 @@ def kv_cache_bytes(facts: ModelFacts, context: int, sequences: int = 1) -> int:
     return sizing.kv_cache_bytes(shape_of(facts).arch, context, sequences)
 
 
-def breakdown(backend: str, facts: ModelFacts, context: int, name: str = "",
-              sequences: int = 1) -> Breakdown:
-    """What `backend` will hold for this model at `context` tokens, by kind, with assumptions."""
-    shape = shape_of(facts, name)
-    if backend == "llama-cpp":
-        return sizing.llama_cpp_breakdown(shape, context, sequences)
-    return sizing.encoder_breakdown(shape)
-
-
-def estimate(backend: str, facts: ModelFacts, context: int) -> Footprint:
-    """Bytes `backend` will hold for this model at `context` tokens of KV cache."""
-    b = breakdown(backend, facts, context)
+def estimate(engine: Engine, facts: ModelFacts | None, load: LoadSpec) -> Footprint:
+    """Bytes `engine` will hold for `load` (one sequence of KV cache at its context length)."""
+    b = engine.size(facts, load, load.path.name, 1)
     return Footprint(weights=b.weights, kv_cache=b.kv_cache,
                      overhead=b.overhead + b.activations + b.gradients + b.optimizer)

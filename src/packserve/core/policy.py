@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from packserve.types import State
+from packserve.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,8 @@ def plan_admission(
     used = sum(r.bytes for r in others if r.holds_memory)
     pinned = sum(r.bytes for r in others if r.pinned and r.holds_memory)
     busy = sum(r.bytes for r in others if r.holds_memory and not r.pinned and not r.evictable)
-    pinned_names = ", ".join(f"{_label(r)} ({_gib(r.bytes)})" for r in others if r.pinned) or "none"
+    pinned_names = ", ".join(f"{_label(r)} ({format_bytes(r.bytes)})"
+                             for r in others if r.pinned) or "none"
 
     def answer(verdict: Verdict, victims: tuple[str, ...], reason: str) -> Admission:
         return Admission(
@@ -184,29 +186,30 @@ def plan_admission(
         return answer(Verdict.ALREADY_LOADED, (), f"{_label(target)} is already loaded")
     if target.bytes > capacity_bytes - pinned:
         return answer(Verdict.NEVER_FITS, (), (
-            f"{_label(target)} needs {_gib(target.bytes)} but {target.device} has a budget of "
-            f"{_gib(capacity_bytes)} after headroom, of which pinned models hold {_gib(pinned)} "
-            f"(pinned: {pinned_names})"
+            f"{_label(target)} needs {format_bytes(target.bytes)} but {target.device} has a "
+            f"budget of {format_bytes(capacity_bytes)} after headroom, of which pinned models "
+            f"hold {format_bytes(pinned)} (pinned: {pinned_names})"
         ))
     free = capacity_bytes - used
     victims = policy(others, target.bytes, free)
     if victims is None:
         return answer(Verdict.WAIT_FOR_BUSY, (), (
-            f"{_label(target)} needs {_gib(target.bytes)}; {_gib(free)} is free and models with "
-            f"requests in flight hold {_gib(busy)}; it loads when they finish"
+            f"{_label(target)} needs {format_bytes(target.bytes)}; {format_bytes(free)} is free "
+            f"and models with requests in flight hold {format_bytes(busy)}; it loads when they "
+            f"finish"
         ))
     if not victims:
         return answer(Verdict.FITS, (), (
-            f"{_label(target)} needs {_gib(target.bytes)} and {_gib(free)} is free"
+            f"{_label(target)} needs {format_bytes(target.bytes)} and {format_bytes(free)} is free"
         ))
     by_key = {r.key: r for r in others}
     named = ", ".join(
-        f"{_label(by_key[k])} ({_gib(by_key[k].bytes)}, idle, "
+        f"{_label(by_key[k])} ({format_bytes(by_key[k].bytes)}, idle, "
         f"{'least recently used' if policy is lru_by_bytes else 'chosen by the victim policy'})"
         for k in victims
     )
     return answer(Verdict.FITS_AFTER_EVICTION, victims, (
-        f"{_label(target)} needs {_gib(target.bytes)} and {_gib(free)} is free; "
+        f"{_label(target)} needs {format_bytes(target.bytes)} and {format_bytes(free)} is free; "
         f"evicting {named} makes room"
     ))
 
@@ -216,11 +219,11 @@ def pins_fit(pinned: Sequence[ResidentView], capacity_bytes: int) -> str | None:
     total = sum(r.bytes for r in pinned)
     if total <= capacity_bytes:
         return None
-    listing = ", ".join(f"{_label(r)} {_gib(r.bytes)}" for r in pinned)
+    listing = ", ".join(f"{_label(r)} {format_bytes(r.bytes)}" for r in pinned)
     device = pinned[0].device if pinned else "?"
     return (
-        f"pinned models on {device} need {_gib(total)} together but the budget after headroom "
-        f"is {_gib(capacity_bytes)}: {listing}"
+        f"pinned models on {device} need {format_bytes(total)} together but the budget after "
+        f"headroom is {format_bytes(capacity_bytes)}: {listing}"
     )
 
 
@@ -250,7 +253,3 @@ def _label(r: ResidentView) -> str:
     return "+".join(r.models) if r.models else r.key
 
 
-def _gib(n: int) -> str:
-    if abs(n) >= 1 << 30:
-        return f"{n / (1 << 30):.2f} GiB"
-    return f"{n / (1 << 20):.1f} MiB"

@@ -1,9 +1,10 @@
 """The one owner of residency: loads, evicts and lends models; enforces quotas.
 
-Request handlers never touch a backend's lifecycle. They ask for a lease:
+Request handlers never touch a backend's lifecycle. They ask for a lease, which lends a
+`Runner` (the loaded backend's task methods, nothing else):
 
     async with scheduler.acquire("all-minilm-l6-v2", Task.EMBED) as lease:
-        result = await asyncio.to_thread(lease.backend.embed, texts)
+        result = await asyncio.to_thread(lease.runner.embed, texts)
 
 Vocabulary: a *model* is a catalog entry (the name clients send). A *resident* is one set of
 weights on one device; catalog entries with the same `LoadSpec` share one resident, which is
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from packserve.config import ModelSpec
-from packserve.core.backend import Backend, BackendFactory, LoadSpec
+from packserve.core.backend import Backend, BackendFactory, LoadSpec, Runner
 from packserve.core.events import (
     CLIENT_CLOSED,
     Event,
@@ -93,8 +94,8 @@ from packserve.errors import (
     QueueFull,
     TaskNotSupported,
 )
-from packserve.modelfiles import check_header
 from packserve.types import State, Task
+from packserve.units import format_bytes
 
 log = logging.getLogger("packserve.scheduler")
 
@@ -126,7 +127,7 @@ class Entry:
 
 @dataclass
 class Lease:
-    """What a request holds while it uses a model. The backend is valid until the lease ends.
+    """What a request holds while it uses a model. `runner` is valid until the lease ends.
 
     The handler records the tokens it reports to the client with `count_tokens`; they travel
     in the request's RequestEvent.
@@ -134,7 +135,7 @@ class Lease:
 
     model: str
     task: Task
-    backend: Backend
+    runner: Runner
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -227,12 +228,6 @@ def is_memory_failure(exc: BaseException) -> bool:
     return False
 
 
-def check_weights(spec: LoadSpec) -> None:
-    """The default check before a load: the weights' file headers (the fake engine has none)."""
-    if spec.backend != "fake":
-        check_header(spec.path)
-
-
 @dataclass(eq=False)
 class _Resident:
     load: LoadSpec
@@ -240,7 +235,8 @@ class _Resident:
     estimated: int
     measured: int | None = None
     state: State = State.COLD
-    backend: Backend | None = None
+    backend: Backend | None = None  # the lifecycle: only the scheduler holds it
+    runner: Runner | None = None  # what leases lend while HOT; one per load
     leases: int = 0
     last_used: float = 0.0
     load_seconds: float | None = None
@@ -377,7 +373,7 @@ class Scheduler:
         failure_cooldown_s: float = 30.0,
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
         victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
-        check_files: Callable[[LoadSpec], None] | None = check_weights,
+        check_files: Callable[[LoadSpec], None] | None = None,
         sinks: Sequence[EventSink] = (log_event,),
     ) -> None:
         self._factory = factory
@@ -394,7 +390,7 @@ class Scheduler:
             victim_policy if isinstance(victim_policy, Mapping) else None)
         self._default_policy: VictimPolicy = (
             lru_by_bytes if isinstance(victim_policy, Mapping) else victim_policy)
-        self._check_files = check_files  # None: no check (tests of fake engines)
+        self._check_files = check_files  # before every load; the server checks headers
         self._sinks = list(sinks)
         self._devices = {d.name: d for d in devices}
         self._residents: dict[str, _Resident] = {}
@@ -497,8 +493,8 @@ class Scheduler:
         try:
             await self._ensure_hot(res)
             t_ready = self._clock()
-            assert res.backend is not None
-            lease = Lease(model=name, task=task, backend=res.backend)
+            assert res.runner is not None
+            lease = Lease(model=name, task=task, runner=res.runner)
             self._emit(RequestStartEvent(model=name, task=task.value, device=device,
                                          request_id=request_id))
             yield lease
@@ -657,8 +653,8 @@ class Scheduler:
         device = self._devices[res.load.device]
         cap = self._memory_cap(res)
         if cap is not None and res.bytes > cap:
-            raise NeverFits(f"model {res.label} needs {_mib(res.bytes)}, over its max_memory "
-                            f"quota of {_mib(cap)}")
+            raise NeverFits(f"model {res.label} needs {format_bytes(res.bytes)}, over its "
+                            f"max_memory quota of {format_bytes(cap)}")
         t0 = self._clock()
         deadline = t0 + self._load_wait_s
         if self._check_files is not None:
@@ -785,13 +781,13 @@ class Scheduler:
         res.measured = measured
         cap = self._memory_cap(res)
         if cap is not None and measured > cap:
-            reason = (f"model {res.label} measured {_mib(measured)} after loading, over its "
-                      f"max_memory quota of {_mib(cap)}; it was unloaded")
+            reason = (f"model {res.label} measured {format_bytes(measured)} after loading, over "
+                      f"its max_memory quota of {format_bytes(cap)}; it was unloaded")
             await self._to_cold(res, None, backend)
             self._emit(LoadFailedEvent(model=res.label, device=device, bytes=measured,
                                        seconds=seconds, reason=reason, will_retry=False))
             raise NeverFits(reason)
-        res.backend, res.load_seconds = backend, seconds
+        res.backend, res.runner, res.load_seconds = backend, Runner(backend), seconds
         res.state, res.error, res.failed_until = State.HOT, None, 0.0
         res.last_used = self._clock()
         self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
@@ -808,7 +804,7 @@ class Scheduler:
         a quota)."""
         backend = backend or res.backend
         assert backend is not None and (res.state is State.LOADING or res.leases == 0)
-        res.backend = None
+        res.backend = res.runner = None
         res.state = State.UNLOADING  # holds its bytes until the engine has let go
         res.settled = settled = asyncio.Event()  # new requests wait, then load it again
         t0 = self._clock()
@@ -1171,7 +1167,7 @@ class Scheduler:
                 victims = self._policy(device)(views, over, 0)
                 if not victims:
                     log.warning("%s is %s over its new budget until busy models finish",
-                                device, _mib(over))
+                                device, format_bytes(over))
                     return
                 await self._to_cold(self._residents[victims[0]], f"{device}'s budget shrank")
 
@@ -1277,7 +1273,3 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Mark a load's outcome as seen: its waiters got it, or nobody was left to care."""
     if not task.cancelled():
         task.exception()
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"

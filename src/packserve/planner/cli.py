@@ -13,6 +13,7 @@ from pathlib import Path
 
 from packserve.planner import catalog, plan, sizing
 from packserve.planner.sizing import Breakdown, ModelShape, Workload
+from packserve.units import format_bytes
 
 GB = 1_000_000_000
 
@@ -100,40 +101,30 @@ def gather(args: argparse.Namespace) -> Inputs:
 
 def config_inputs(args: argparse.Namespace) -> Inputs:
     """Every model of a config, sized by the code the server's admission uses. Catalog names
-    that share one load (same weights file, backend, device and context) count once."""
+    that share one load (`LoadSpec.key`, as the server counts them) count once."""
     from packserve.config import load_config
-    from packserve.core.footprint import breakdown, shape_of
-    from packserve.modelfiles import read_facts_cached
-    from packserve.server import DEFAULT_LLAMA_CONTEXT
-    from packserve.sources import resolve_source
+    from packserve.core.footprint import shape_of
+    from packserve.server import resolve_models
 
-    config = load_config(args.config)
-    base, data = Path(config.base_dir), config.data_path
-    seen: dict[tuple[str, str, int], str] = {}
+    seen: dict[str, str] = {}
     models: list[Breakdown] = []
     notes: list[str] = []
-    for spec in config.models:
-        if spec.backend == "fake":
-            notes.append(f"{spec.name}: fake backend, not sized")
+    for r in resolve_models(load_config(args.config)):
+        name, context = r.spec.name, args.context or r.load.context_length
+        if r.facts is None:
+            notes.append(f"{name}: {r.engine.name} engine reads no weight files, not sized")
             continue
-        path = resolve_source(spec.source, base_dir=base, models_dir=data / "models")
-        facts = read_facts_cached(path, data / "model_facts.json")
-        context = spec.context_length or 0
-        if spec.backend == "llama-cpp":
-            context = spec.context_length or min(DEFAULT_LLAMA_CONTEXT,
-                                                 facts.context_length or DEFAULT_LLAMA_CONTEXT)
-        key = (spec.backend, str(path), args.context or context)
+        key = replace(r.load, context_length=context).key
         if key in seen:
-            notes.append(f"{spec.name}: shares one load with {seen[key]} (counted once)")
+            notes.append(f"{name}: shares one load with {seen[key]} (counted once)")
             continue
-        seen[key] = spec.name
+        seen[key] = name
         if args.task == "inference":
-            models.append(breakdown(spec.backend, facts, args.context or context,
-                                    name=spec.name, sequences=args.concurrency))
+            models.append(r.breakdown(context=context, sequences=args.concurrency))
         else:
-            shape = replace(shape_of(facts, spec.name), stored_bytes=0,
+            shape = replace(shape_of(r.facts, name), stored_bytes=0,
                             precision=(args.precision or "bf16").lower())
-            models.append(sizing.size_model(shape, workload(args, context or None)))
+            models.append(sizing.size_model(shape, workload(args, r.load.context_length or None)))
     return Inputs(models=tuple(models), workload=workload(args), notes=tuple(notes))
 
 
@@ -247,10 +238,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _gb(n: object) -> str:
-    """GB (decimal, as cards are sold) from 1 GB up; MiB below, where small models live."""
-    if not isinstance(n, int) or n == 0:
-        return "-"
-    return f"{n / GB:.1f} GB" if n >= GB else f"{n / (1 << 20):.0f} MiB"
+    """A cell of the report: "-" where there is nothing, else decimal GB as cards are sold."""
+    return format_bytes(n, decimal=True) if isinstance(n, int) and n else "-"
 
 
 def print_report(report: dict[str, object]) -> None:

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from packserve.units import format_bytes
+
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -246,7 +248,7 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1) -> 
         name=shape.name, weights=shape.weight_bytes,
         kv_cache=kv_cache_bytes(arch, context, sequences),
         overhead=LLAMA_FIXED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * arch.vocab_size,
-        assumptions=(f"{shape.name}: llama.cpp, {shape.weight_bytes / MIB:.0f} MiB of tensors "
+        assumptions=(f"{shape.name}: llama.cpp, {format_bytes(shape.weight_bytes)} of tensors "
                      f"from the GGUF header, f16 KV cache for {context} tokens x {sequences} "
                      f"sequence(s), 20 MiB + 122 B per vocabulary entry of runtime",))
 
@@ -256,5 +258,5 @@ def encoder_breakdown(shape: ModelShape) -> Breakdown:
     Activations are transient and live in the device's headroom."""
     return Breakdown(
         name=shape.name, weights=shape.weight_bytes, overhead=ENCODER_OVERHEAD,
-        assumptions=(f"{shape.name}: sentence-transformers, {shape.weight_bytes / MIB:.0f} MiB "
+        assumptions=(f"{shape.name}: sentence-transformers, {format_bytes(shape.weight_bytes)} "
                      f"of tensors from the safetensors header + 2 MiB of tokenizer and modules",))

@@ -1,0 +1,173 @@
+"""What generation routes share: the OpenAI envelope (id, created, choices, usage, stream chunks)
+and the way a response is produced, whole or as server-sent events.
+
+A route turns its request into `Generate` jobs (api.calls) and a `Completion`, and returns
+`answer(...)`. Chat and text completions differ only in their names and in the shape of a
+choice; a new generation route is one more `Completion` subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, ClassVar
+
+from fastapi.responses import StreamingResponse
+
+from packserve.api.calls import Generate
+from packserve.api.errors import described
+from packserve.api.services import Services
+from packserve.core.backend import FinishReason, Generated
+from packserve.errors import PackserveError
+from packserve.types import Task
+
+log = logging.getLogger("packserve.api")
+
+Check = Callable[[Generated], None]  # raises if an output must not be passed off as an answer
+
+
+class Completion(ABC):
+    """One response's envelope; its id and creation time are fixed when it is made."""
+
+    prefix: ClassVar[str]  # of the id
+    object_type: ClassVar[str]  # the "object" of the whole response
+    chunk_type: ClassVar[str]  # the "object" of each stream chunk
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    @abstractmethod
+    def choice(self, index: int, out: Generated) -> dict[str, Any]:
+        """Choice `index` of a whole response."""
+
+    @abstractmethod
+    def delta(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
+        """The one choice of a stream chunk: a piece of text, or the finish."""
+
+    def opening(self) -> str:
+        """What a stream sends first, once the lease is held (before any text)."""
+        return ": stream open\n\n"
+
+    def response(self, outs: Sequence[Generated]) -> dict[str, Any]:
+        return {**self._head(self.object_type),
+                "choices": [self.choice(i, out) for i, out in enumerate(outs)],
+                "usage": usage(sum(o.prompt_tokens for o in outs),
+                               sum(o.completion_tokens for o in outs))}
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self._head(self.chunk_type), "choices": choices}
+
+    def usage_chunk(self, out: Generated) -> dict[str, Any]:
+        """The last chunk when the client asked for `stream_options.include_usage`."""
+        return {**self.chunk([]), "usage": usage(out.prompt_tokens, out.completion_tokens)}
+
+    def _head(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
+
+
+class ChatCompletion(Completion):
+    """/v1/chat/completions: an assistant message per choice; streams open with its role."""
+
+    prefix = "chatcmpl"
+    object_type = "chat.completion"
+    chunk_type = "chat.completion.chunk"
+
+    def choice(self, index: int, out: Generated) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason}
+
+    def delta(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if text is None and finish is None:
+            delta = {"role": "assistant", "content": ""}
+        elif text is not None:
+            delta = {"content": text}
+        return {"index": 0, "delta": delta, "finish_reason": finish}
+
+    def opening(self) -> str:
+        """The assistant's role, as OpenAI's streams start."""
+        return sse(self.chunk([self.delta(None, None)]))
+
+
+class TextCompletion(Completion):
+    """/v1/completions: text per choice; streams open with an SSE comment."""
+
+    prefix = "cmpl"
+    object_type = chunk_type = "text_completion"
+
+    def choice(self, index: int, out: Generated) -> dict[str, Any]:
+        return {"index": index, "text": out.text, "finish_reason": out.finish_reason,
+                "logprobs": None}
+
+    def delta(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Generate], *,
+                 stream: bool = False, include_usage: bool = False,
+                 check: Check | None = None) -> dict[str, Any] | StreamingResponse:
+    """Run `jobs` in order on one lease of `reply.model` and answer with one choice each; or,
+    with `stream`, answer with server-sent events of the only job. `check` sees each output
+    (after the lease is given back, unless streaming)."""
+    if stream:
+        assert len(jobs) == 1, "a stream has one choice"
+        return await _streamed(s, reply, task, jobs[0], check, include_usage)
+    async with s.lease(reply.model, task) as call:
+        outs = [await call.generate(job) for job in jobs]
+    if check is not None:
+        for out in outs:
+            check(out)
+    return reply.response(outs)
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,
+                    check: Check | None, include_usage: bool) -> StreamingResponse:
+    """The lease is taken before the response starts, so quota, load and unknown-model errors
+    still get their status code; it is released when the stream ends, after the generating
+    thread has stopped. Errors after the start are reported in-band, then `[DONE]`."""
+    events = _events(s, reply, task, job, check, include_usage)
+    first = await events.__anext__()  # acquires the lease, or raises a PackserveError
+
+    async def body() -> AsyncIterator[str]:
+        yield first
+        async for event in events:
+            yield event
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _events(s: Services, reply: Completion, task: Task, job: Generate,
+                  check: Check | None, include_usage: bool) -> AsyncIterator[str]:
+    async with s.lease(reply.model, task) as call, call.stream(job) as pieces:
+        yield reply.opening()
+        async for piece in pieces:
+            yield sse(reply.chunk([reply.delta(piece, None)]))
+        try:
+            out = await pieces.result()
+            if check is not None:
+                check(out)
+        except Exception as exc:  # the response has started: report in-band, keep serving
+            if not isinstance(exc, PackserveError):
+                log.exception("stream for %s failed", reply.model)
+            yield sse(described(exc)[0])
+        else:
+            yield sse(reply.chunk([reply.delta(None, out.finish_reason)]))
+            if include_usage:
+                yield sse(reply.usage_chunk(out))
+        yield sse("[DONE]")

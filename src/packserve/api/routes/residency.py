@@ -1,0 +1,50 @@
+"""Admin routes: what is loaded where, what a load would evict, and load/unload/pin/unpin."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter
+
+from packserve.api.services import Services, ServicesDep
+from packserve.core.scheduler import Scheduler
+
+router = APIRouter()
+
+
+@router.get("/v1/residency")
+async def residency(s: ServicesDep) -> dict[str, Any]:
+    return {
+        "devices": [asdict(d) for d in s.scheduler.devices()],
+        "models": [{**asdict(m), "tasks": [t.value for t in m.tasks], "state": m.state.value,
+                    "shares_weights_with": list(m.shares_weights_with)}
+                   for m in s.scheduler.models()],
+    }
+
+
+@router.get("/v1/residency/plan")
+async def plan(model: str, s: ServicesDep) -> dict[str, Any]:
+    answer = s.scheduler.plan(model)
+    return {**asdict(answer), "model": model, "verdict": answer.verdict.value,
+            "victims": list(answer.victims)}
+
+
+def _admin(action: Callable[[Scheduler, str], Awaitable[None] | None]
+           ) -> Callable[[str, Services], Awaitable[dict[str, Any]]]:
+    """A route that runs `action` on the model, then answers with the model's state."""
+
+    async def route(name: str, s: ServicesDep) -> dict[str, Any]:
+        done = action(s.scheduler, name)
+        if done is not None:
+            await done
+        row = next(m for m in s.scheduler.models() if m.name == name)
+        return {"model": name, "state": row.state.value, "pinned": row.pinned}
+    return route
+
+
+for _verb, _action in (("load", Scheduler.load), ("unload", Scheduler.unload),
+                       ("pin", Scheduler.pin), ("unpin", Scheduler.unpin)):
+    router.add_api_route(f"/v1/residency/{{name:path}}/{_verb}", _admin(_action),
+                         methods=["POST"])

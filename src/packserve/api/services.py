@@ -1,0 +1,43 @@
+"""What routes reach: one app's scheduler, telemetry and embedding batchers, through a FastAPI
+dependency (`ServicesDep`). `create_app` makes them once and stores them on `app.state`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from packserve.api.asgi import REQUEST_ID
+from packserve.api.batching import Batchers
+from packserve.api.calls import Call
+from packserve.core.scheduler import Scheduler
+from packserve.metrics.telemetry import Telemetry
+from packserve.types import Task
+
+
+@dataclass(frozen=True)
+class Services:
+    """The objects one app's routes share; made once by `create_app`."""
+
+    scheduler: Scheduler
+    telemetry: Telemetry
+    batchers: Batchers = field(default_factory=Batchers)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, model: str, task: Task) -> AsyncIterator[Call]:
+        """Lease `model` for `task` on behalf of the request being served, and use it through
+        the `Call` this yields. Raises the scheduler's PackserveErrors (see `api.errors`)."""
+        async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
+            yield Call(lease, self.batchers)
+
+
+async def services(request: Request) -> Services:
+    """The app's Services. Async, so that FastAPI runs it on the loop, not in a thread."""
+    found: Services = request.app.state.services
+    return found
+
+
+ServicesDep = Annotated[Services, Depends(services)]

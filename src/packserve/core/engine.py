@@ -1,0 +1,89 @@
+"""What an engine is, declared once next to the engine. `packserve.backends` keeps the registry.
+
+The config validates `backend = NAME` and the tasks against it; the server resolves sources,
+builds load specs and estimates footprints through it; the planner and the audit size and key
+loads through it; the scheduler builds backends with it. Nothing else names an engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from packserve.core.backend import Backend, LoadSpec
+from packserve.modelfiles import ModelFacts, check_header
+from packserve.planner.sizing import Breakdown
+from packserve.types import Task
+
+# (what the model's files say, the load, the name for the breakdown, concurrent sequences)
+Sizer = Callable[[ModelFacts | None, LoadSpec, str, int], Breakdown]
+
+# Entry settings that change what an engine loads, when the engine uses them.
+LOAD_OPTIONS = frozenset({"trust_remote_code", "allow_pickle"})
+
+
+def any_source(path: Path) -> str | None:
+    """Accept whatever the source resolved to."""
+    return None
+
+
+def no_context(requested: int | None, facts: ModelFacts | None) -> int:
+    """Engines without a KV cache: the entry's `context_length`, else 0 (the model's own)."""
+    return requested or 0
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine, as the rest of packserve sees it.
+
+    - `build` makes the backend for one load; it runs on the event loop, so it does no I/O and
+      imports nothing heavy (the backend's `prepare()` imports `library`, in a worker thread).
+    - `check_source` says why a resolved source cannot be loaded by this engine (a GGUF engine
+      given a directory), or None; the config is refused at start with that reason.
+    - `context` is the KV-cache length a load gets: the entry's `context_length`, or the
+      engine's default for this model.
+    - `size` estimates what one load holds, by kind, from the model's own files (`facts` is
+      None when `reads_files` is False). The scheduler admits by its total until it has measured.
+    - `load_options`: which of LOAD_OPTIONS change what this engine loads; the others are
+      ignored for it, so they do not split one load into two.
+    - `reads_files` is False for an engine whose `source` is not a path (the fake engine):
+      it has no headers to check, nothing to hash, and the planner does not size it.
+    """
+
+    name: str
+    tasks: frozenset[Task]
+    default_concurrency: int
+    build: Callable[[LoadSpec], Backend]
+    size: Sizer
+    check_source: Callable[[Path], str | None] = any_source
+    context: Callable[[int | None, ModelFacts | None], int] = no_context
+    load_options: frozenset[str] = frozenset()
+    reads_files: bool = True
+    library: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = self.load_options - LOAD_OPTIONS
+        if unknown:
+            raise ValueError(f"engine {self.name}: unknown load options {sorted(unknown)}")
+
+    def prepare(self) -> None:
+        """Import the engine's library (seconds for torch): once, before measuring a load."""
+        if self.library:
+            importlib.import_module(self.library)
+
+    def check_weights(self, load: LoadSpec) -> None:
+        """The check before every load: the weight files' headers (ConfigError naming the file)."""
+        if self.reads_files:
+            check_header(load.path)
+
+    def load_spec(self, path: Path, device: str, context: int, max_batch: int,
+                  options: dict[str, bool]) -> LoadSpec:
+        """The load an entry asks for; options this engine ignores are left out of it."""
+        def option(name: str) -> bool:
+            return name in self.load_options and options.get(name, False)
+
+        return LoadSpec(backend=self.name, path=path, device=device, context_length=context,
+                        max_batch=max_batch, trust_remote_code=option("trust_remote_code"),
+                        allow_pickle=option("allow_pickle"))

@@ -1,0 +1,33 @@
+"""Byte sizes: read from a config (`6GiB`), written for people (`1.50 GiB`, `90.3 MiB`)."""
+
+from __future__ import annotations
+
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
+MIB = 1 << 20
+GIB = 1 << 30
+GB = 1_000_000_000
+
+_BYTES = TypeAdapter(ByteSize)
+
+
+def parse_bytes(value: object) -> int:
+    """Parse `6GiB`, `512MiB`, `1.5GB` or a plain integer into bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 6GiB or a number of bytes")
+    try:
+        n = int(_BYTES.validate_python(value))
+    except ValidationError as exc:
+        raise ValueError(
+            f"{value!r} is not a size (write it like 6GiB, 512MiB or 1000000)") from exc
+    if n < 0:
+        raise ValueError("a size cannot be negative")
+    return n
+
+
+def format_bytes(n: int, *, decimal: bool = False) -> str:
+    """`n` bytes for a message or a table: GiB (two decimals) from 1 GiB up, MiB (one) below.
+    `decimal` writes GB from 1 GB up, as cards are sold; small models stay in MiB."""
+    if decimal:
+        return f"{n / GB:.1f} GB" if abs(n) >= GB else f"{n / MIB:.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
