@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from packserve.config import Config, load_config
-from tests.helpers import Running, serve
-
-TEST_DEVICE = os.environ.get("PACKSERVE_TEST_DEVICE", "cpu")
-
-
-def default_config(data_dir: Path, **overrides: object) -> Config:
-    """The built-in catalog with its data in `data_dir`, on the test device."""
-    config = load_config(None, **overrides)  # type: ignore[arg-type]
-    return config.model_copy(update={
-        "server": config.server.model_copy(update={"data_dir": str(data_dir)}),
-        "models": [m.model_copy(update={"device": TEST_DEVICE}) for m in config.models],
-    })
+from tests.factories import Running, default_config, serve
 
 
 @pytest.fixture(scope="session")

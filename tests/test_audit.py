@@ -14,8 +14,7 @@ from packserve import audit
 from packserve.audit import GpuDevice, Load
 from packserve.cli import main
 from packserve.config import default_catalog_text
-from tests.conftest import TEST_DEVICE, default_config
-from tests.helpers import serve
+from tests.factories import TEST_DEVICE, default_config, serve
 
 GB = 1_000_000_000
 MIB = 1 << 20
@@ -75,7 +74,7 @@ def test_cpu_path_reads_inference_like_processes(tmp_path: Path) -> None:
 
 
 def test_cpu_path_on_the_real_proc_finds_a_running_packserve(tmp_path: Path) -> None:
-    from tests.front.procs import fake_config, serve_process
+    from tests.factories import fake_config, serve_process
 
     with serve_process(fake_config(tmp_path), tmp_path) as srv:
         rows = audit.audit_processes(None)

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import default_config
-from tests.helpers import serve
+from tests.factories import default_config, serve
 
 pytestmark = pytest.mark.real
 

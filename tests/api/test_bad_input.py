@@ -16,7 +16,7 @@ import pytest
 
 from packserve.backends.fake import FakeBackend, FakeControl
 from packserve.core.backend import Backend, LoadSpec
-from tests.helpers import Running, config_from, serve
+from tests.factories import Running, config_from, serve
 
 EMBED = "fake-embed"  # embed + rerank
 CHAT = "fake-chat"  # chat + complete
@@ -73,7 +73,7 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict[str, Any]:
     assert r.headers["content-type"].startswith("application/json"), r.headers
     body = r.json()
     assert isinstance(body, dict) and set(body) == {"error"}, body
-    err = body["error"]
+    err: dict[str, Any] = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
@@ -95,7 +95,7 @@ def assert_serving(c: httpx.Client) -> None:
     assert r.json()["choices"][0]["message"]["content"] == "echo this"
 
 
-GOOD = {
+GOOD: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"model": EMBED, "input": ["hello"]},
     "/v1/rerank": {"model": EMBED, "query": "q", "documents": ["a", "b"]},
     "/v1/chat/completions": {"model": CHAT, "messages": [{"role": "user", "content": "hi"}]},
@@ -443,7 +443,7 @@ def test_openai_client_chat(server: Running) -> None:
 def model_row(c: httpx.Client, name: str) -> dict[str, Any]:
     r = c.get("/v1/residency")
     assert r.status_code == 200, r.text
-    rows = [m for m in r.json()["models"] if m["name"] == name]
+    rows: list[dict[str, Any]] = [m for m in r.json()["models"] if m["name"] == name]
     assert len(rows) == 1
     return rows[0]
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from packserve.backends.fake import DEFAULT_CONTROL
-from tests.helpers import Running, config_from, serve
+from tests.factories import Running, config_from, serve
 
 TOML = """
 [server]

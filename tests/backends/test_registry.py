@@ -23,7 +23,7 @@ from packserve.planner import cli as plan_cli
 from packserve.planner.sizing import Breakdown, encoder_breakdown
 from packserve.server import build_entries, resolve_models
 from packserve.types import Task
-from tests.helpers import config_from, serve
+from tests.factories import config_from, serve
 
 # ------------------------------------------------------------------ a small extra engine
 

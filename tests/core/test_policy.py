@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 
 from packserve.core.policy import (
@@ -16,25 +14,12 @@ from packserve.core.policy import (
     plan_admission,
 )
 from packserve.types import State
+from tests.factories import cold, resident
 
 MIB = 1 << 20
 GIB = 1 << 30
 
 
-def resident(
-    key: str, mib: int, *, last_used: float = 0.0, pinned: bool = False, in_flight: int = 0,
-    state: State = State.HOT, device: str = "cpu", models: Sequence[str] = (),
-) -> ResidentView:
-    """A resident of `mib` MiB; `models` defaults to one catalog name equal to the key."""
-    return ResidentView(
-        key=key, device=device, state=state, bytes=mib * MIB, pinned=pinned,
-        in_flight=in_flight, last_used=last_used, models=tuple(models) or (key,),
-    )
-
-
-def cold(key: str, mib: int, *, models: Sequence[str] = ()) -> ResidentView:
-    """A target that is not loaded yet."""
-    return resident(key, mib, state=State.COLD, models=models)
 
 
 # ------------------------------------------------------------------------- choose_victims

@@ -14,7 +14,7 @@ from packserve.core.policy import (
     shortest_keep_alive_first,
 )
 from packserve.types import State
-from tests.core.test_policy import MIB, cold, resident
+from tests.factories import MIB, cold, resident
 
 A = resident("a", 100, last_used=1)  # least recently used
 B = resident("b", 200, last_used=2)

@@ -25,7 +25,7 @@ from packserve.errors import (
     QueueFull,
 )
 from packserve.types import State, Task
-from tests.core.factories import (
+from tests.factories import (
     GIB,
     MIB,
     TIMEOUT,

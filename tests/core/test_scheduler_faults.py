@@ -46,7 +46,7 @@ from packserve.errors import (
 from packserve.metrics.telemetry import Telemetry
 from packserve.modelfiles import check_header
 from packserve.types import State, Task
-from tests.core.factories import (
+from tests.factories import (
     MIB,
     TIMEOUT,
     Sleeper,

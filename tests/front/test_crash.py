@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.front.procs import Served, fake_config, serve_process
+from tests.factories import Served, fake_config, serve_process
 
 CHAT = "/v1/chat/completions"
 

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from tests.front.procs import fake_config, serve_process
+from tests.factories import fake_config, serve_process
 
 CHAT = "/v1/chat/completions"
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from packserve.config import default_catalog_text
-from tests.front.procs import Served, serve_process
+from tests.factories import Served, serve_process
 
 pytestmark = pytest.mark.real
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from packserve.config import load_config
 from packserve.front.supervisor import Supervisor
-from tests.front.procs import fake_config
+from tests.factories import fake_config
 
 
 def test_a_hung_worker_is_killed_charged_and_replaced(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import Running
+from tests.factories import Running
 from tests.metrics.test_telemetry import fake  # noqa: F401 - the fixture
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "packserve-dashboard.json"

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-from tests.conftest import default_config
-from tests.helpers import Running, serve
+from tests.factories import Running, default_config, serve
 
 pytestmark = pytest.mark.real
 
@@ -101,7 +100,7 @@ def test_page_shows_engine_crashes_through_the_front(tmp_path: Path) -> None:
     import os
     import signal
 
-    from tests.front.procs import fake_config, serve_process
+    from tests.factories import fake_config, serve_process
 
     if not Path(CHROMIUM).exists():
         pytest.fail("chromium is not installed; scripts/test.sh installs Debian's package")

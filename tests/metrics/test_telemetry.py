@@ -16,7 +16,7 @@ from packserve.core.events import RequestEvent
 from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
-from tests.helpers import Running, config_from, serve
+from tests.factories import Running, config_from, serve
 
 MIB = 1 << 20
 
