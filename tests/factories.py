@@ -41,7 +41,7 @@ from packserve.core.scheduler import (
     Scheduler,
 )
 from packserve.metrics.telemetry import Telemetry
-from packserve.server import build_scheduler, build_telemetry
+from packserve.server import build_keyring, build_scheduler, build_telemetry
 from packserve.types import State, Task
 
 # ---------------------------------------------------------- the default catalog on the test device
@@ -103,7 +103,8 @@ def serve(config: Config, **scheduler_kwargs: object) -> Iterator[Running]:
         events: list[Event] = []
         scheduler = build_scheduler(config, sinks=(events.append,), **scheduler_kwargs)  # type: ignore[arg-type]
         telemetry = build_telemetry(config, scheduler)
-        app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes)
+        app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
+                         keys=build_keyring(config), operator_views=config.server.operator_views)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="on"))
         box.update(scheduler=scheduler, server=server, loop=loop, events=events,

@@ -42,8 +42,8 @@ def test_default_catalog_loads() -> None:
 
 
 def test_default_catalog_takes_overrides() -> None:
-    config = load_config(None, host="0.0.0.0", port=9001)
-    assert config.server.host == "0.0.0.0"
+    config = load_config(None, host="0.0.0.0", port=9001, open_to_anyone=True)
+    assert config.server.host == "0.0.0.0" and config.server.open_to_anyone
     assert config.server.port == 9001
 
 
@@ -165,8 +165,8 @@ TWO_DEVICES = (
 
 
 def test_host_and_port_override(tmp_path: Path) -> None:
-    config = load_config(write(tmp_path, TWO_DEVICES), host="0.0.0.0", port=9123)
-    assert config.server.host == "0.0.0.0"
+    config = load_config(write(tmp_path, TWO_DEVICES), host="::1", port=9123)
+    assert config.server.host == "::1"
     assert config.server.port == 9123
 
 

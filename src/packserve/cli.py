@@ -27,6 +27,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--memory-budget", help="budget for every device, e.g. 2GiB or auto")
     serve.add_argument("--models", help="serve only these catalog names, comma-separated")
+    serve.add_argument("--open-to-anyone", action="store_true",
+                       help="listen on a non-local --host without API keys: anyone who reaches "
+                            "the port can call every model and every admin route")
+
+    keys = sub.add_parser("keys", help="mint, list and revoke API keys (the file holds digests)")
+    keys.add_argument("action", choices=("create", "list", "revoke"))
+    keys.add_argument("name", nargs="?", help="the key's name (create, revoke)")
+    keys.add_argument("--models", default="*",
+                      help="models the key may call: names or globs, comma-separated (default *)")
+    keys.add_argument("--admin", action="store_true",
+                      help="the key may load, unload, pin, unpin and reload")
+    keys.add_argument("--config", help="the config whose server.keys_file to use")
+    keys.add_argument("--file", help="the keys file (default: the config's keys_file)")
 
     ps = sub.add_parser("ps", help="print the residency table of a running server")
     ps.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
@@ -52,25 +65,75 @@ def main(argv: Sequence[str] | None = None) -> int:
         return audit.run_audit(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "keys":
+        return _keys(args)
     return _ps(args.url)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from packserve.config import load_config
+    from packserve.auth import KeyRing
+    from packserve.config import Config, load_config
 
     only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
+
+    def read() -> Config:
+        return load_config(args.config, host=args.host, port=args.port,
+                           memory_budget=args.memory_budget, only_models=only,
+                           open_to_anyone=args.open_to_anyone)
+
     try:
-        config = load_config(args.config, host=args.host, port=args.port,
-                             memory_budget=args.memory_budget, only_models=only)
+        config = read()
+        keys = KeyRing(config.keys_path) if config.keys_path is not None else None
     except ConfigError as exc:
         print(f"packserve: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.server.log_level)
+    if keys is None and config.server.open_to_anyone:
+        logging.getLogger("packserve").warning(
+            "listening on %s with no API keys: anyone who reaches port %d can call every model "
+            "and every admin route", config.server.host, config.server.port)
     from packserve.front.app import run_front
 
-    return asyncio.run(run_front(config, reload=lambda: load_config(
-        args.config, host=args.host, port=args.port, memory_budget=args.memory_budget,
-        only_models=only)))
+    return asyncio.run(run_front(config, reload=read, keys=keys))
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from packserve import auth
+    from packserve.config import load_config
+
+    try:
+        if args.file:
+            path = Path(args.file)
+        else:
+            path_or_none = load_config(args.config).keys_path
+            if path_or_none is None:
+                raise ConfigError("no keys file: pass --file PATH, or --config with "
+                                  "server.keys_file set")
+            path = path_or_none
+        if args.action != "list" and not args.name:
+            raise ConfigError(f"packserve keys {args.action} needs a NAME")
+        if args.action == "create":
+            models = [m.strip() for m in args.models.split(",") if m.strip()]
+            key = auth.mint(path, args.name, models, args.admin)
+            print(key)
+            print(f"packserve keys: {args.name!r} added to {path} (only its digest is kept: "
+                  f"this is the one time the key is shown)", file=sys.stderr)
+        elif args.action == "revoke":
+            auth.revoke(path, args.name)
+            print(f"packserve keys: {args.name!r} revoked in {path}; a running server stops "
+                  f"accepting it within a second", file=sys.stderr)
+        else:
+            for k in auth.parse_keys(path.read_text("utf-8"), str(path)):
+                print(f"{k.name}\t{'admin' if k.admin else 'key'}\t{','.join(k.models)}")
+    except ConfigError as exc:
+        print(f"packserve keys: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"packserve keys: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def configure_logging(level: str) -> None:

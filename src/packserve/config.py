@@ -7,6 +7,7 @@ key, the line where it is, and the reason.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -67,6 +68,34 @@ class ServerConfig(_Strict):
     # A model whose engine is charged with two crashes this close together stays failed until
     # an operator loads it again.
     crash_window_s: float = Field(default=300.0, ge=0)
+    # API keys (packserve.auth): a TOML file of key digests, relative to this file. "": no keys,
+    # every route open, and the server refuses any address but localhost unless open_to_anyone.
+    keys_file: str = ""
+    # The read-only operator views (status page, /metrics, summary, residency, plan, OpenAPI):
+    # "admin" keys only, or "open" to anyone who reaches the port. Only with keys_file.
+    operator_views: Literal["open", "admin"] = "admin"
+    # Listen on a non-local address without keys: anyone who reaches the port can call every
+    # model and every admin route. Off unless the operator says so.
+    open_to_anyone: bool = False
+
+    @model_validator(mode="after")
+    def _keys_or_localhost(self) -> ServerConfig:
+        if not self.keys_file and not self.open_to_anyone and not _is_loopback(self.host):
+            raise ValueError(
+                f"host {self.host!r} is reachable from other machines but no keys_file is set: "
+                f"anyone who reaches the port could call every model and load, unload, pin and "
+                f"reload. Set keys_file (packserve keys create NAME), or accept the risk with "
+                f"open_to_anyone = true (--open-to-anyone)")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
 
 
 class DeviceConfig(_Strict):
@@ -174,6 +203,13 @@ class Config(_Strict):
     def data_path(self) -> Path:
         return Path(os.path.expanduser(self.server.data_dir))
 
+    @property
+    def keys_path(self) -> Path | None:
+        """The keys file, relative paths from the config file's folder; None without keys."""
+        if not self.server.keys_file:
+            return None
+        return Path(self.base_dir) / os.path.expanduser(self.server.keys_file)
+
 
 def default_catalog_text() -> str:
     return resources.files("packserve").joinpath("default_catalog.toml").read_text("utf-8")
@@ -185,6 +221,7 @@ def load_config(
     host: str | None = None,
     port: int | None = None,
     memory_budget: str | None = None,
+    open_to_anyone: bool = False,
     only_models: Sequence[str] | None = None,
 ) -> Config:
     """Read the config file (or the built-in catalog), apply CLI overrides, validate.
@@ -210,6 +247,8 @@ def load_config(
         server["host"] = host
     if port is not None:
         server["port"] = port
+    if open_to_anyone:
+        server["open_to_anyone"] = True
     raw["server"] = server
     if memory_budget is not None:
         devices = {k: dict(v) for k, v in raw.get("devices", {}).items()}

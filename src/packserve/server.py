@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from packserve import backends
+from packserve.auth import KeyRing
 from packserve.config import AUTO_BUDGET_FRACTION, Config, DeviceConfig, ModelSpec
 from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.engine import Engine
@@ -138,3 +139,9 @@ def build_scheduler(
     )
     scheduler.check_pins()
     return scheduler
+
+
+def build_keyring(config: Config) -> KeyRing | None:
+    """The API keys of `config`, or None when it names no keys file. Raises ConfigError."""
+    path = config.keys_path
+    return None if path is None else KeyRing(path)

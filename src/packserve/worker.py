@@ -128,7 +128,12 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     from packserve.config import Config
     from packserve.core.events import log_event
     from packserve.errors import ConfigError
-    from packserve.server import build_entries, build_scheduler, build_telemetry
+    from packserve.server import (
+        build_entries,
+        build_keyring,
+        build_scheduler,
+        build_telemetry,
+    )
 
     assert isinstance(config, Config)
     scheduler = build_scheduler(config, sinks=(log_event, control.on_event))
@@ -137,7 +142,8 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
             scheduler.quarantine(name, reason)
     telemetry = build_telemetry(config, scheduler)
     app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
-                     background_start=True)
+                     background_start=True, keys=build_keyring(config),
+                     operator_views=config.server.operator_views)
 
     @app.post("/internal/reconfigure", include_in_schema=False)
     async def reconfigure(request: Request) -> JSONResponse:

@@ -13,20 +13,23 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from packserve.api.access import Authenticate, OperatorViews
 from packserve.api.asgi import CLIENT_CLOSED, BodyLimit, CancelOnDisconnect, RequestId
 from packserve.api.errors import add_error_handlers
 from packserve.api.routes import ROUTERS
 from packserve.api.services import Services
+from packserve.auth import KeyRing
 from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry
 
 
 def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes: int = 4 << 20,
                start_scheduler: bool = True, background_start: bool = False,
-               sample_interval_s: float = 1.0) -> FastAPI:
+               sample_interval_s: float = 1.0, keys: KeyRing | None = None,
+               operator_views: OperatorViews = "admin") -> FastAPI:
     """The ASGI app around `scheduler`. Its lifespan loads the pins (before serving, or while
     serving with `background_start`), samples headroom every `sample_interval_s`, and unloads
-    the models at shutdown."""
+    the models at shutdown. With `keys`, every request is checked (api.access)."""
 
     async def sample_forever() -> None:
         while True:
@@ -53,10 +56,12 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
 
     app = FastAPI(title="packserve", version="0.1.0", lifespan=lifespan)
     app.state.services = Services(scheduler, telemetry)
-    # Outermost last: ids first, then counting, the body limit, and cancellation on disconnect.
+    # Outermost last: ids first, then the caller's key, counting, the body limit, and
+    # cancellation on disconnect.
     app.add_middleware(CancelOnDisconnect)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(CountResponses, telemetry=telemetry)
+    app.add_middleware(Authenticate, keys=keys, views=operator_views)
     app.add_middleware(RequestId)
     add_error_handlers(app)
     for router in ROUTERS:

@@ -1,4 +1,5 @@
-"""Request bodies, validated strictly: unknown fields and absurd values are a 400, not a guess."""
+"""Request bodies, validated strictly: unknown fields, values of the wrong JSON type ("yes" for a
+boolean, "3" for a number) and absurd values are a 400, not a guess, as OpenAI's API answers."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ NonEmpty = Annotated[Text, Field(min_length=1)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: NonEmpty
     user: Text | None = None  # accepted for OpenAI compatibility; not stored
@@ -42,7 +43,7 @@ class EmbeddingRequest(_Body):
 
 
 class RerankDocument(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     text: Text
 
 
@@ -58,13 +59,13 @@ class RerankRequest(_Body):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | list[TextPart]
     name: Text | None = None
@@ -77,7 +78,7 @@ class ChatMessage(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
     name: str = "response"
     description: str | None = None
     schema_: dict[str, object] = Field(alias="schema")
@@ -85,13 +86,13 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 

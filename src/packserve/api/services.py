@@ -10,10 +10,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from packserve.api.access import CALLER, may_call
 from packserve.api.asgi import REQUEST_ID
 from packserve.api.batching import Batchers
 from packserve.api.calls import Call
 from packserve.core.scheduler import Scheduler
+from packserve.errors import ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
 
@@ -30,8 +32,22 @@ class Services:
     async def lease(self, model: str, task: Task) -> AsyncIterator[Call]:
         """Lease `model` for `task` on behalf of the request being served, and use it through
         the `Call` this yields. Raises the scheduler's PackserveErrors (see `api.errors`)."""
-        async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
+        caller = CALLER.get()
+        if caller is not None and (not caller.may_call(model)
+                                   or model not in self.scheduler.model_names()):
+            # The same answer whether the model is missing or out of scope: a key learns
+            # nothing about models it may not call.
+            raise ModelNotFound(
+                f"model {model!r} does not exist or you have no access to it; key "
+                f"{caller.name!r} may call: {', '.join(self.visible_models()) or 'no model'}",
+                param="model")
+        async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get(),
+                                          key=caller.name if caller else "") as lease:
             yield Call(lease, self.batchers)
+
+    def visible_models(self) -> list[str]:
+        """The catalog names the request being served may call (all of them without keys)."""
+        return [name for name in self.scheduler.model_names() if may_call(name)]
 
 
 async def services(request: Request) -> Services:

@@ -65,6 +65,7 @@ class RequestStartEvent:
     task: str
     device: str
     request_id: str = ""  # the caller's id (X-Request-ID), "" when it gave none
+    key: str = ""  # the name of the caller's API key, "" without keys
     kind: str = "request_start"
 
 
@@ -84,6 +85,7 @@ class RequestEvent:
     completion_tokens: int = 0
     started: bool = False  # a RequestStartEvent was emitted for it
     request_id: str = ""
+    key: str = ""  # the name of the caller's API key (never the key), "" without keys
     kind: str = "request"
 
 

@@ -460,8 +460,10 @@ class Scheduler:
     # ----------------------------------------------------------------- requests
 
     @contextlib.asynccontextmanager
-    async def acquire(self, name: str, task: Task, *, request_id: str = "") -> AsyncIterator[Lease]:
+    async def acquire(self, name: str, task: Task, *, request_id: str = "",
+                      key: str = "") -> AsyncIterator[Lease]:
         """Lend `name` for one request: quota slot, then load if needed. Raises PackserveError.
+        `request_id` and `key` (the caller's API key name) travel in the request's events.
 
         A caller cancelled while it waits or holds the lease (its client went away) is counted
         with status 499, outcome "client_closed"; the load it may have started goes on if the
@@ -482,7 +484,7 @@ class Scheduler:
             self._emit(RequestEvent(
                 model=name, task=task.value, device=device,
                 queue_seconds=self._clock() - t_enter, load_seconds=0.0, inference_seconds=0.0,
-                status=status, outcome=outcome, request_id=request_id))
+                status=status, outcome=outcome, request_id=request_id, key=key))
             self._signal_memory()  # a retiring model may have become idle
             raise
         res.leases += 1
@@ -496,7 +498,7 @@ class Scheduler:
             assert res.runner is not None
             lease = Lease(model=name, task=task, runner=res.runner)
             self._emit(RequestStartEvent(model=name, task=task.value, device=device,
-                                         request_id=request_id))
+                                         request_id=request_id, key=key))
             yield lease
         except BaseException as exc:
             status, outcome = _outcome(exc)
@@ -516,7 +518,7 @@ class Scheduler:
                 status=status, outcome=outcome,
                 prompt_tokens=lease.prompt_tokens if lease else 0,
                 completion_tokens=lease.completion_tokens if lease else 0,
-                started=lease is not None, request_id=request_id))
+                started=lease is not None, request_id=request_id, key=key))
 
     async def _take_slot(self, model: _Model) -> None:
         decision = admit_request(model.running, len(model.waiters), model.spec.concurrency,

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from packserve.api.access import Authenticate
 from packserve.api.asgi import (
     REQUEST_ID,
     BodyLimit,
@@ -43,6 +44,7 @@ from packserve.api.asgi import (
     RequestId,
     error_body,
 )
+from packserve.auth import KeyRing
 from packserve.config import Config
 from packserve.errors import ConfigError
 from packserve.front.supervisor import Crash, Supervisor, Worker, WorkerAlive
@@ -89,8 +91,10 @@ class Front:
     """What the front's routes share: the supervisor, draining and the requests in flight."""
 
     def __init__(self, config: Config, supervisor: Supervisor, metrics: FrontMetrics,
-                 reload: Callable[[], Config] | None = None) -> None:
+                 reload: Callable[[], Config] | None = None, keys: KeyRing | None = None
+                 ) -> None:
         self.config = config
+        self.keys = keys
         self.supervisor = supervisor
         self.metrics = metrics
         self._reload = reload
@@ -266,6 +270,9 @@ def create_front_app(front: Front) -> ASGIApp:
             Route("/{path:path}", proxy, methods=methods),
         ],
         middleware=[
+            # A request its key may not make is refused before its body is read or relayed;
+            # the worker checks again (and checks each model against the key's scope).
+            Middleware(Authenticate, keys=front.keys, views=front.config.server.operator_views),
             Middleware(BodyLimit, max_bytes=front.config.server.max_request_bytes),
             Middleware(CancelOnDisconnect),
         ],
@@ -439,13 +446,14 @@ class _FrontServer(uvicorn.Server):
         yield
 
 
-async def run_front(config: Config, reload: Callable[[], Config] | None = None) -> int:
+async def run_front(config: Config, reload: Callable[[], Config] | None = None,
+                    keys: KeyRing | None = None) -> int:
     """Serve `config`: start the worker, open the port at once, drain on SIGTERM or SIGINT,
-    reload on SIGHUP. Returns the exit status."""
+    reload the config and the keys on SIGHUP. Returns the exit status."""
     metrics = FrontMetrics()
     supervisor = Supervisor(config, on_crash=metrics.on_crash,
                             on_start=metrics.worker_starts.inc)
-    front = Front(config, supervisor, metrics, reload)
+    front = Front(config, supervisor, metrics, reload, keys)
     app = create_front_app(front)
     server = _FrontServer(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
@@ -478,6 +486,9 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None) 
     background: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
+        if keys is not None and keys.reload():  # the worker sees the file change on its own
+            log.info("SIGHUP: keys reloaded from %s (%d keys)", keys.path, len(keys.keys))
+
         async def run() -> None:
             try:
                 result = await front.reload()

@@ -81,6 +81,15 @@ class Telemetry:
         self._responses = Counter(
             "packserve_http_responses", "HTTP responses by route and status code, including "
             "requests refused before reaching a model", ["route", "code"], registry=self.registry)
+        self._key_requests = Counter(
+            "packserve_key_requests", "Requests by API key name (never the key) and model, by "
+            "HTTP status code; only when keys are configured", ["key", "model", "code"],
+            registry=self.registry)
+        self._key_tokens = Counter(
+            "packserve_key_tokens", "Tokens by API key name and model (prompt + completion, or "
+            "input): multiply by the model's cost per million tokens to split cost by team",
+            ["key", "model"], registry=self.registry)
+        self._tokens_by_key: dict[tuple[str, str], int] = defaultdict(int)
         self.registry.register(_SnapshotCollector(self))
 
     # ---------------------------------------------------------------- inputs
@@ -108,6 +117,11 @@ class Telemetry:
 
     def _on_request(self, e: RequestEvent) -> None:
         self._requests.labels(e.model, e.task, str(e.status)).inc()
+        if e.key:
+            self._key_requests.labels(e.key, e.model, str(e.status)).inc()
+            if e.prompt_tokens + e.completion_tokens:
+                self._key_tokens.labels(e.key, e.model).inc(e.prompt_tokens + e.completion_tokens)
+                self._tokens_by_key[(e.key, e.model)] += e.prompt_tokens + e.completion_tokens
         if e.started:
             self.cost.end(e.model, e.device, e.prompt_tokens + e.completion_tokens)
         if e.task in (Task.EMBED, Task.RERANK):
@@ -166,6 +180,11 @@ class Telemetry:
         for task, values in sorted(tasks.items()):
             by_task.append({"task": task, **_percentiles(values)})
         models, mix = self.cost.report()
+        per_million = {m.model: m.cost_per_million_tokens for m in models}
+        by_key = [{"key": key, "model": model, "tokens": tokens,
+                   "cost": None if per_million.get(model) is None
+                   else round(tokens * (per_million[model] or 0.0) / 1e6, 6)}
+                  for (key, model), tokens in sorted(self._tokens_by_key.items())]
         return {
             "currency": self.currency,
             "window_seconds": self.window_s,
@@ -173,7 +192,8 @@ class Telemetry:
             "latency": {"by_model": by_model, "by_task": by_task,
                         "note": f"over the last {RECENT_LATENCIES} successful requests per "
                                 f"model; /metrics has the full histograms"},
-            "cost": {"models": [asdict(m) for m in models], "mix": asdict(mix)},
+            "cost": {"models": [asdict(m) for m in models], "mix": asdict(mix),
+                     "by_key": by_key},
             "events": list(reversed(self._events)),
         }
 

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from packserve.api.access import may_call
 from packserve.api.calls import Generate
 from packserve.api.generation import ChatCompletion, TextCompletion, answer
 from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingRequest
@@ -26,7 +27,7 @@ async def models(s: ServicesDep) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
          "tasks": [t.value for t in m.tasks], "state": m.state.value}
-        for m in s.scheduler.models()]}
+        for m in s.scheduler.models() if may_call(m.name)]}
 
 
 @router.post("/v1/embeddings")
