@@ -200,6 +200,16 @@ class Served:
         finally:
             pool.shutdown(wait=False)
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of `name`'s samples whose labels include `labels`, from /metrics."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                   for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
     def wait_in_flight(self, model: str, n: int = 1, timeout: float = 60.0) -> None:
         """Wait until the worker has `n` requests of `model` running."""
         deadline = time.monotonic() + timeout
@@ -236,6 +246,11 @@ def serve_process(config: Path | None, tmp: Path, *args: str,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def chat_body(content: str, model: str = "gen", **extra: object) -> dict[str, object]:
+    """A chat request of one user message."""
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
 
 
 def fake_config(tmp: Path, extra: str = "", **server: object) -> Path:

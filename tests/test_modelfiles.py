@@ -8,7 +8,7 @@ import pytest
 
 from packserve import backends, modelfiles
 from packserve.config import load_config
-from packserve.core.footprint import estimate, kv_cache_bytes
+from packserve.core.footprint import kv_cache_bytes
 from packserve.errors import ConfigError
 from packserve.modelfiles import read_facts, read_facts_cached
 from packserve.sources import resolve_source
@@ -31,7 +31,7 @@ def test_gguf_header_facts_of_smollm2(tmp_path: Path) -> None:
     # KV cache at 2048 tokens, f16: 2 x 30 layers x 3 heads x 64 dims x 2048 x 2 bytes = 45 MiB
     assert kv_cache_bytes(facts, 2048) == 45 * MIB
     engine = backends.get("llama-cpp")
-    fp = estimate(engine, facts, engine.load_spec(facts.path, "cpu", 2048, 1, {}))
+    fp = engine.size(facts, engine.load_spec(facts.path, "cpu", 2048, 1, {}), "smollm2", 1)
     assert fp.total == fp.weights + fp.kv_cache + fp.overhead and fp.kv_cache == 45 * MIB
 
 
@@ -43,7 +43,8 @@ def test_safetensors_header_facts_of_minilm(tmp_path: Path) -> None:
     # Stored as F32, plus one int64 `position_ids` buffer of 512 entries.
     assert facts.weight_bytes == facts.n_params * 4 + 512 * 4
     engine = backends.get("sentence-transformers")
-    assert estimate(engine, facts, engine.load_spec(facts.path, "cpu", 0, 1, {})).kv_cache == 0
+    assert engine.size(facts, engine.load_spec(facts.path, "cpu", 0, 1, {}), "minilm", 1
+                       ).kv_cache == 0
 
 
 def test_facts_cache_is_reused_and_invalidated(tmp_path: Path,

@@ -27,7 +27,6 @@ from typing import Protocol
 
 from packserve.units import format_bytes
 
-GB = 1_000_000_000
 MIB = 1 << 20
 
 # Command lines that look like an inference server (lower-cased substrings).
@@ -155,12 +154,14 @@ def waste_reason(held: int, device_total: int | None, command: str) -> str | Non
     if params:
         need = int(params * 2 * 1.2) + (1 << 30)
         if held > WASTE_FACTOR * need:
-            return (f"holds {held / GB:.1f} GB{share} for a ~{params / 1e9:g}B model that "
-                    f"needs about {need / GB:.1f} GB at FP16: it preallocates; cap it "
+            return (f"holds {format_bytes(held, decimal=True)}{share} for a "
+                    f"~{params / 1e9:g}B model that needs about "
+                    f"{format_bytes(need, decimal=True)} at FP16: it preallocates; cap it "
                     f"(e.g. vLLM --gpu-memory-utilization) or serve it from a shared process")
         return None
     if device_total and held > GREEDY_SHARE * device_total:
-        return (f"holds {held / GB:.1f} GB{share}: a preallocating engine leaves nothing to "
+        return (f"holds {format_bytes(held, decimal=True)}{share}: a preallocating engine "
+                f"leaves nothing to "
                 f"its neighbours; check what its model needs (`packserve plan`)")
     return None
 
@@ -329,7 +330,8 @@ def together_verdict(device: str, rows: Sequence[tuple[str, str, int, bool]],
             continue
         seen[key] = name
         need += size
-        detail.append(f"{name}: {format_bytes(size)} ({'measured' if measured else 'estimated'})")
+        how = "measured" if measured else "estimated"
+        detail.append(f"{name}: {format_bytes(size, compact=True)} ({how})")
     return Together(device=device, models=tuple(r[0] for r in rows), need_bytes=need,
                     capacity_bytes=capacity, fits=need <= capacity, detail=tuple(detail))
 
@@ -427,7 +429,7 @@ def print_audit(report: dict[str, object]) -> None:
     where = "GPU processes (NVML)" if report["gpu"] else "inference-like processes (RSS, no GPU)"
     t = Table("PID", "DEVICE", "HOLDS", "COMMAND", "FLAG", title=f"1. who holds memory: {where}")
     for p in procs:
-        t.add_row(str(p["pid"]), p["device"], f"{format_bytes(p['bytes'])}",
+        t.add_row(str(p["pid"]), p["device"], f"{format_bytes(p['bytes'], compact=True)}",
                   p["command"][:60], p["waste"] or "")
     console.print(t)
     dups = report["duplicates"]
@@ -435,8 +437,8 @@ def print_audit(report: dict[str, object]) -> None:
     console.print("[bold]2. weights loaded twice[/]" + ("" if dups else ": none"))
     for d in dups:
         console.print(f"  {d['kind']}: {d['note']}"
-                      + (f" (wastes {format_bytes(d['wasted_bytes'])})" if d["wasted_bytes"]
-                         else ""))
+                      + (f" (wastes {format_bytes(d['wasted_bytes'], compact=True)})"
+                         if d["wasted_bytes"] else ""))
         for h in d["holders"]:
             console.print(f"    - {h}")
     together = report["together"]
@@ -445,7 +447,7 @@ def print_audit(report: dict[str, object]) -> None:
     for g in together:
         verdict = "fits" if g["fits"] else "DOES NOT FIT"
         console.print(f"  {g['device']}: {', '.join(g['models']) or '(nothing pinned)'} -> "
-                      f"{verdict}: needs {format_bytes(g['need_bytes'])} of "
-                      f"{format_bytes(g['capacity_bytes'])} (budget - headroom)")
+                      f"{verdict}: needs {format_bytes(g['need_bytes'], compact=True)} of "
+                      f"{format_bytes(g['capacity_bytes'], compact=True)} (budget - headroom)")
         for line in g["detail"]:
             console.print(f"    - {line}")

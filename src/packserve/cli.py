@@ -159,10 +159,11 @@ def _ps(url: str) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     for d in summary["devices"]:
         console.print(
-            f"[bold]{d['name']}[/]: {format_bytes(d['used_bytes'])} used of "
-            f"{format_bytes(d['budget_bytes'])} budget; headroom "
-            f"{format_bytes(d['headroom_bytes'])} now, "
-            f"{format_bytes(d['headroom_min_bytes'])} lowest in {summary['window_seconds']:.0f}s")
+            f"[bold]{d['name']}[/]: {format_bytes(d['used_bytes'], compact=True)} used of "
+            f"{format_bytes(d['budget_bytes'], compact=True)} budget; headroom "
+            f"{format_bytes(d['headroom_bytes'], compact=True)} now, "
+            f"{format_bytes(d['headroom_min_bytes'], compact=True)} lowest in "
+            f"{summary['window_seconds']:.0f}s")
     p95: dict[str, float] = {}
     for row in summary["latency"]["by_model"]:
         p95[row["model"]] = max(p95.get(row["model"], 0.0), row["p95_seconds"])
@@ -171,9 +172,11 @@ def _ps(url: str) -> int:
     now = time.time()
     for m in data["models"]:
         last = f"{now - m['last_used']:.0f}s ago" if m["last_used"] else "-"
+        measured = m["bytes_measured"]
         table.add_row(m["name"], ",".join(m["tasks"]), m["state"], m["device"],
-                      "yes" if m["pinned"] else "", format_bytes(m["bytes_estimated"]),
-                      format_bytes(m["bytes_measured"]) if m["bytes_measured"] else "-",
+                      "yes" if m["pinned"] else "",
+                      format_bytes(m["bytes_estimated"], compact=True),
+                      format_bytes(measured, compact=True) if measured else "-",
                       str(m["in_flight"]), str(m["queued"]),
                       f"{p95[m['name']] * 1000:.0f} ms" if m["name"] in p95 else "-", last,
                       f"{m['load_seconds']:.2f}" if m["load_seconds"] else "-",

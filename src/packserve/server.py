@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,8 +49,11 @@ class Resolved:
         return self.engine.size(self.facts, load, self.spec.name, sequences)
 
 
-def resolve_models(config: Config) -> list[Resolved]:
-    """Resolve every model's source through its engine. Raises ConfigError."""
+def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
+                   ) -> list[Resolved]:
+    """Resolve every model's source through its engine, and its device with `device` (the
+    planner keeps "auto" as it is: sizing hardware must not depend on this host's GPU, nor
+    import torch to ask). Raises ConfigError."""
     out = []
     base = Path(config.base_dir)
     models_dir = config.data_path / "models"
@@ -72,7 +75,7 @@ def resolve_models(config: Config) -> list[Resolved]:
                 raise ConfigError(f"{where}.source: {engine.name} needs {problem}")
         else:
             path = Path(spec.source)
-        load = engine.load_spec(path, resolve_device(spec.device),
+        load = engine.load_spec(path, device(spec.device),
                                 engine.context(spec.context_length, facts), spec.max_batch,
                                 {"trust_remote_code": spec.trust_remote_code,
                                  "allow_pickle": spec.allow_pickle})

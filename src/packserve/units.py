@@ -25,9 +25,12 @@ def parse_bytes(value: object) -> int:
     return n
 
 
-def format_bytes(n: int, *, decimal: bool = False) -> str:
-    """`n` bytes for a message or a table: GiB (two decimals) from 1 GiB up, MiB (one) below.
-    `decimal` writes GB from 1 GB up, as cards are sold; small models stay in MiB."""
+def format_bytes(n: int, *, decimal: bool = False, compact: bool = False) -> str:
+    """`n` bytes for people: GiB from 1 GiB up, MiB below (two and one decimals in messages;
+    one and none with `compact`, for tables). `decimal` writes GB from 1 GB up, as cards are
+    sold (one decimal); small models stay in MiB."""
     if decimal:
-        return f"{n / GB:.1f} GB" if abs(n) >= GB else f"{n / MIB:.1f} MiB"
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.1f} MiB"
+        return f"{n / GB:.1f} GB" if abs(n) >= GB else f"{n / MIB:.{0 if compact else 1}f} MiB"
+    if abs(n) >= GIB:
+        return f"{n / GIB:.{1 if compact else 2}f} GiB"
+    return f"{n / MIB:.{0 if compact else 1}f} MiB"

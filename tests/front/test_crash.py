@@ -18,13 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.factories import Served, fake_config, serve_process
+from tests.factories import Served, chat_body, fake_config, serve_process
 
 CHAT = "/v1/chat/completions"
 
 
-def chat(content: str, model: str = "gen", **extra: object) -> dict[str, object]:
-    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
 
 
 def embed(text: str, model: str = "emb") -> dict[str, object]:
@@ -37,12 +35,6 @@ def stream_lines(srv: Served, body: dict[str, object]) -> list[str]:
         return [line for line in r.iter_lines() if line]
 
 
-def metric(srv: Served, name: str, **labels: str) -> float:
-    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.fixture
@@ -55,7 +47,7 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     srv = served
     with srv.client() as c:
         assert c.post("/v1/embeddings", json=embed("warm")).status_code == 200
-        assert c.post(CHAT, json=chat("warm")).status_code == 200
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200
     pid = srv.worker_pid()
     answers: dict[str, object] = {}
 
@@ -74,7 +66,7 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
             return c.post(path, json=body)
 
     threads = [
-        run("stream", lambda: stream_lines(srv, chat("@@sleep=30"))),
+        run("stream", lambda: stream_lines(srv, chat_body("@@sleep=30"))),
         run("running_embed", lambda: post("/v1/embeddings", embed("@@sleep=2"))),
     ]
     srv.wait_in_flight("gen")
@@ -83,7 +75,7 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     t_crash = time.monotonic()
     # Sent while the worker is down: queued in the front, served by the next worker.
     threads.append(run("during", lambda: post("/v1/embeddings", embed("during the outage"))))
-    threads.append(run("chat_during", lambda: post(CHAT, chat("after the crash"))))
+    threads.append(run("chat_during", lambda: post(CHAT, chat_body("after the crash"))))
     # The port keeps answering all along.
     health_failures = 0
     while time.monotonic() - t_crash < 2:
@@ -110,8 +102,8 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     crashes = srv.events("crash")
     assert len(crashes) == 1 and crashes[0]["signal"] == "SIGSEGV"
     assert set(crashes[0]["models"]) == {"gen", "emb"}  # both engines were running
-    assert metric(srv, "packserve_engine_crashes_total", model="gen", signal="SIGSEGV") == 1
-    assert metric(srv, "packserve_crash_requests_total", model="emb", outcome="retried") >= 1
+    assert srv.metric("packserve_engine_crashes_total", model="gen", signal="SIGSEGV") == 1
+    assert srv.metric("packserve_crash_requests_total", model="emb", outcome="retried") >= 1
     summary = httpx.get(f"{srv.url}/v1/metrics/summary", timeout=10).json()
     assert summary["crashes"][0]["signal"] == "SIGSEGV"
 
@@ -121,7 +113,7 @@ def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served:
     with srv.client() as c:
         for attempt in range(2):
             pid = srv.worker_pid()
-            r = c.post(CHAT, json=chat("@@signal=ILL"))
+            r = c.post(CHAT, json=chat_body("@@signal=ILL"))
             assert r.status_code == 503, r.text
             assert r.headers["retry-after"] == "1"
             message = r.json()["error"]["message"]
@@ -130,14 +122,14 @@ def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served:
             if attempt == 1:
                 assert "now failed until an operator loads it" in message
         # The crash loop is broken: gen answers 503 at once, naming why; emb serves on.
-        r = c.post(CHAT, json=chat("hello"))
+        r = c.post(CHAT, json=chat_body("hello"))
         assert r.status_code == 503
         assert "engine crashed: SIGILL while serving chat" in r.json()["error"]["message"]
         assert c.post("/v1/embeddings", json=embed("still here")).status_code == 200
         assert srv.health()["worker"]["quarantined"] == {  # type: ignore[index]
             "gen": "engine crashed: SIGILL while serving chat"}
         assert c.post("/v1/residency/gen/load").status_code == 200
-        assert c.post(CHAT, json=chat("hello again")).json()["choices"][0]["message"][
+        assert c.post(CHAT, json=chat_body("hello again")).json()["choices"][0]["message"][
             "content"] == "hello again"
         assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
 
@@ -148,9 +140,9 @@ def test_a_kill_from_outside_is_charged_and_recovered(served: Served,
     """SIGKILL is what the OOM killer sends; SIGABRT what a failed assertion in C raises."""
     srv = served
     with srv.client() as c:
-        assert c.post(CHAT, json=chat("warm")).status_code == 200  # running, not loading
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
     pid = srv.worker_pid()
-    slow = srv.post_later(CHAT, chat("@@sleep=20"))
+    slow = srv.post_later(CHAT, chat_body("@@sleep=20"))
     srv.wait_in_flight("gen")
     os.kill(pid, sig)
     r = slow.result(timeout=60)
@@ -158,7 +150,7 @@ def test_a_kill_from_outside_is_charged_and_recovered(served: Served,
     assert sig.name in r.json()["error"]["message"]
     srv.wait_ready(other_than_pid=pid)
     with srv.client() as c:
-        assert c.post(CHAT, json=chat("fine")).status_code == 200
+        assert c.post(CHAT, json=chat_body("fine")).status_code == 200
 
 
 def test_request_id_follows_the_request(served: Served) -> None:
@@ -168,7 +160,7 @@ def test_request_id_follows_the_request(served: Served) -> None:
         r = c.post("/v1/embeddings", json=embed("x", model="nope"))
         assert r.status_code == 404
         assert re.fullmatch(r"req-[0-9a-f]{32}", r.headers["x-request-id"])
-        r = c.post(CHAT, json=chat("@@signal=SEGV"), headers={"X-Request-ID": "will-crash"})
+        r = c.post(CHAT, json=chat_body("@@signal=SEGV"), headers={"X-Request-ID": "will-crash"})
         assert r.status_code == 503 and r.headers["x-request-id"] == "will-crash"
     served.wait_ready()
     crash = served.events("crash")[0]
@@ -192,7 +184,7 @@ def test_a_request_whose_client_left_before_its_load_loads_and_evicts_nothing(
     config.write_text(config.read_text("utf-8").replace('memory_budget = "2GiB"',
                                                         'memory_budget = "80MiB"'), "utf-8")
     with serve_process(config, tmp_path) as srv:
-        busy = srv.post_later(CHAT, chat("@@sleep=3 done"))
+        busy = srv.post_later(CHAT, chat_body("@@sleep=3 done"))
         srv.wait_in_flight("gen")
         with pytest.raises(httpx.ReadTimeout), srv.client(timeout=0.5) as c:
             c.post("/v1/embeddings", json=embed("nobody waits for me"))
@@ -202,19 +194,20 @@ def test_a_request_whose_client_left_before_its_load_loads_and_evicts_nothing(
         assert models["gen"]["state"] == "hot" and models["emb"]["state"] == "cold"
         assert not srv.events("evict")
         assert not [e for e in srv.events("load") if e["model"] == "emb"]
-        assert metric(srv, "packserve_requests_total", model="emb", code="499") == 1
+        assert srv.metric("packserve_requests_total", model="emb", code="499") == 1
 
 
 def test_requests_sharing_a_client_id_are_charged_apart(served: Served) -> None:
     """Clients choose X-Request-ID: two in flight with the same one must not hide a crash."""
     srv = served
     with srv.client() as c:
-        assert c.post(CHAT, json=chat("warm")).status_code == 200
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200
     embedding = srv.post_later("/v1/embeddings", embed("@@sleep=0.5"),
                                headers={"X-Request-ID": "same"})
     srv.wait_in_flight("emb")
     with srv.client() as c:
-        r = c.post(CHAT, json=chat("@@sleep=1 @@signal=SEGV"), headers={"X-Request-ID": "same"})
+        r = c.post(CHAT, json=chat_body("@@sleep=1 @@signal=SEGV"),
+                   headers={"X-Request-ID": "same"})
     assert embedding.result(timeout=30).status_code == 200
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_crashed"
     assert r.headers["x-request-id"] == "same"
@@ -239,4 +232,4 @@ def test_a_request_whose_client_left_keeps_its_model_until_the_engine_call_retur
         while c.post("/v1/residency/emb/unload").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-    assert metric(srv, "packserve_requests_total", model="emb", code="499") == 1
+    assert srv.metric("packserve_requests_total", model="emb", code="499") == 1

@@ -11,18 +11,16 @@ from urllib.parse import urlparse
 
 import httpx
 
-from tests.factories import fake_config, serve_process
+from tests.factories import chat_body, fake_config, serve_process
 
 CHAT = "/v1/chat/completions"
 
 
-def chat(content: str, model: str = "gen") -> dict[str, object]:
-    return {"model": model, "messages": [{"role": "user", "content": content}]}
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
     with serve_process(fake_config(tmp_path, drain_s=20), tmp_path) as srv:
-        slow = srv.post_later(CHAT, chat("@@sleep=3 done"))
+        slow = srv.post_later(CHAT, chat_body("@@sleep=3 done"))
         srv.wait_in_flight("gen")
         t_term = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
@@ -33,7 +31,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
             if r.status_code == 503 or time.monotonic() > deadline:
                 break
         assert r.status_code == 503 and r.json()["status"] == "draining"
-        refused = httpx.post(f"{srv.url}{CHAT}", json=chat("new"), timeout=5)
+        refused = httpx.post(f"{srv.url}{CHAT}", json=chat_body("new"), timeout=5)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
         assert refused.json()["error"]["code"] == "draining"
         url = urlparse(srv.url)
@@ -82,7 +80,7 @@ source = "fake:16MiB"
         assert slow.result(timeout=30).status_code == 200  # the removed model drained first
         names = [m["id"] for m in c.get("/v1/models").json()["data"]]
         assert "gen2" in names and "emb" not in names
-        assert c.post(CHAT, json=chat("hi", model="gen2")).status_code == 200
+        assert c.post(CHAT, json=chat_body("hi", model="gen2")).status_code == 200
         assert c.post("/v1/embeddings", json={"model": "emb", "input": "x"}).status_code == 404
         # SIGHUP does the same: bring emb back.
         config.write_text(original, "utf-8")
@@ -107,4 +105,4 @@ source = "fake:8MiB"
         pid = srv.worker_pid()
         os.kill(pid, signal.SIGKILL)
         srv.wait_ready(other_than_pid=pid)
-        assert c.post(CHAT, json=chat("hi", model="gen3")).status_code == 200
+        assert c.post(CHAT, json=chat_body("hi", model="gen3")).status_code == 200

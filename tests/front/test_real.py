@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from packserve.config import default_catalog_text
@@ -38,20 +37,13 @@ def real_served(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield srv
 
 
-def metric(srv: Served, name: str, **labels: str) -> float:
-    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_a_client_that_drops_a_stream_frees_its_slot_at_once(real_served: Served) -> None:
     srv = real_served
     with srv.client() as c:
         assert c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 4}).status_code == 200
-        aborted_before = metric(srv, "packserve_requests_total", model=SMOL, code="499")
+        aborted_before = srv.metric("packserve_requests_total", model=SMOL, code="499")
         pieces = 0
         t0 = time.monotonic()
         with c.stream("POST", CHAT, json=STORY) as r:
@@ -70,7 +62,7 @@ def test_a_client_that_drops_a_stream_frees_its_slot_at_once(real_served: Served
           f"{would_finish_s:.1f}s more; the next chat answered after {next_done_s:.2f}s")
     assert next_done_s < would_finish_s / 2
     deadline = time.monotonic() + 10
-    while metric(srv, "packserve_requests_total", model=SMOL, code="499") <= aborted_before:
+    while srv.metric("packserve_requests_total", model=SMOL, code="499") <= aborted_before:
         assert time.monotonic() < deadline, "the dropped stream was not counted as 499"
         time.sleep(0.05)
 

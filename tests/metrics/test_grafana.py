@@ -9,13 +9,12 @@ from pathlib import Path
 import httpx
 
 from tests.factories import Running
-from tests.metrics.test_telemetry import fake  # noqa: F401 - the fixture
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "packserve-dashboard.json"
 SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 
 
-def test_every_dashboard_query_uses_exported_metrics(fake: Running) -> None:  # noqa: F811
+def test_every_dashboard_query_uses_exported_metrics(fake: Running) -> None:
     dashboard = json.loads(DASHBOARD.read_text("utf-8"))
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert len(exprs) >= 9

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,7 +15,7 @@ from packserve.core.events import RequestEvent
 from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
-from tests.factories import Running, config_from, serve
+from tests.factories import Running
 
 MIB = 1 << 20
 
@@ -33,32 +32,8 @@ def value(metrics: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
     return metrics.get((name, frozenset(labels.items())), 0.0)
 
 
-FAKE = """
-[devices.cpu]
-memory_budget = "150MiB"
-headroom = 0
-price_per_hour = 3.6
-
-[[models]]
-name = "emb"
-tasks = ["embed", "rerank"]
-backend = "fake"
-source = "emb/fake:100MiB"
-device = "cpu"
-
-[[models]]
-name = "gen"
-tasks = ["chat", "complete"]
-backend = "fake"
-source = "gen/fake:100MiB"
-device = "cpu"
-"""
 
 
-@pytest.fixture(scope="module")
-def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    with serve(config_from(tmp_path_factory.mktemp("fake"), FAKE)) as running:
-        yield running
 
 
 def test_n_requests_give_a_histogram_count_of_n(fake: Running) -> None:

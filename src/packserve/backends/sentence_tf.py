@@ -6,7 +6,6 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,9 @@ from packserve.modelfiles import ModelFacts
 from packserve.planner.sizing import Breakdown, encoder_breakdown
 from packserve.types import Task
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Read by huggingface_hub and tokenizers at import: never reach a hub; no tokenizer threads
+# forked into the engine's own thread pool.
+_ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # A token is rarely longer than this many characters; longer inputs are refused before the
 # tokenizer sees them, so a megabyte string costs nothing.
@@ -140,9 +140,10 @@ _TORCH_OPTIONS = frozenset({"trust_remote_code", "allow_pickle"})
 SENTENCE_TRANSFORMERS = Engine(
     name="sentence-transformers", tasks=frozenset({Task.EMBED, Task.RERANK}),
     default_concurrency=32, build=SentenceTransformerBackend, size=_size,
-    check_source=_directory, load_options=_TORCH_OPTIONS, library="sentence_transformers")
+    check_source=_directory, load_options=_TORCH_OPTIONS, library="sentence_transformers",
+    environment=_ENVIRONMENT)
 CROSS_ENCODER = Engine(
     name="cross-encoder", tasks=frozenset({Task.RERANK}), default_concurrency=32,
     build=CrossEncoderBackend, size=_size, check_source=_directory,
-    load_options=_TORCH_OPTIONS, library="sentence_transformers")
+    load_options=_TORCH_OPTIONS, library="sentence_transformers", environment=_ENVIRONMENT)
 ENGINES = (SENTENCE_TRANSFORMERS, CROSS_ENCODER)

@@ -461,16 +461,17 @@ def drain(server: Server, drain_s: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------- engine imports
 
 
-ENGINES = ("sentence_transformers", "llama_cpp")  # what the worker's first loads import
-
-
 def engine_import_seconds() -> dict[str, float]:
-    """Seconds a fresh interpreter takes to import each engine, in order: the part of a
-    model's first load_seconds in a new worker that is the engine's import."""
+    """Seconds a fresh interpreter takes to import each engine's library, in order: the part
+    of a model's first load_seconds in a new worker that is the engine's import."""
+    from packserve import backends
+
+    libraries = dict.fromkeys(backends.get(n).library for n in backends.names())
+    libraries.pop("", None)
     code = ("import importlib, json, sys, time\nout = {}\nfor m in sys.argv[1:]:\n"
             "    t = time.perf_counter()\n    importlib.import_module(m)\n"
             "    out[m] = time.perf_counter() - t\nprint(json.dumps(out))")
-    done = subprocess.run([sys.executable, "-c", code, *ENGINES], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code, *libraries], capture_output=True,
                           text=True, check=True, timeout=600)
     seconds: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return seconds

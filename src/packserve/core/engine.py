@@ -8,8 +8,9 @@ loads through it; the scheduler builds backends with it. Nothing else names an e
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from packserve.core.backend import Backend, LoadSpec
@@ -50,6 +51,8 @@ class Engine:
       ignored for it, so they do not split one load into two.
     - `reads_files` is False for an engine whose `source` is not a path (the fake engine):
       it has no headers to check, nothing to hash, and the planner does not size it.
+    - `library` is the module `prepare()` imports, after setting `environment` (variables the
+      library reads at import, set only where the operator has not set them).
     """
 
     name: str
@@ -62,6 +65,7 @@ class Engine:
     load_options: frozenset[str] = frozenset()
     reads_files: bool = True
     library: str = ""
+    environment: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS
@@ -69,7 +73,10 @@ class Engine:
             raise ValueError(f"engine {self.name}: unknown load options {sorted(unknown)}")
 
     def prepare(self) -> None:
-        """Import the engine's library (seconds for torch): once, before measuring a load."""
+        """Set the engine's `environment` (unless the operator set it) and import its library
+        (seconds for torch): once, before the first load is measured."""
+        for name, value in self.environment.items():
+            os.environ.setdefault(name, value)
         if self.library:
             importlib.import_module(self.library)
 

@@ -1,8 +1,8 @@
-"""Estimate a model's memory footprint before loading it, from the facts in its own files.
+"""A model's shape read from its own files, for the engines' sizers (`Engine.size`).
 
-The scheduler admits a model by this estimate until it has measured the real figure. Each
-engine declares its sizer (`Engine.size`); the arithmetic lives in `packserve.planner.sizing`,
-shared with `packserve plan`:
+The scheduler admits a model by its engine's estimate (`server.build_entries`: the sizer's
+total) until it has measured the real figure; `packserve plan` calls the same sizers. The
+arithmetic lives in `packserve.planner.sizing`:
 - llama.cpp: weights as stored (quantised bytes) + KV cache in f16
   (2 x layers x kv_heads x head_dim x context x 2 bytes, one sequence) + 20 MiB plus 122 bytes
   per vocabulary entry (vocabulary tables, output and touched compute buffers).
@@ -15,26 +15,11 @@ default model to +-10%.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from packserve.core.backend import LoadSpec
-from packserve.core.engine import Engine
 from packserve.modelfiles import ModelFacts
 from packserve.planner import sizing
 from packserve.planner.sizing import Architecture, ModelShape
 
 MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Footprint:
-    weights: int
-    kv_cache: int
-    overhead: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.overhead
 
 
 def shape_of(facts: ModelFacts, name: str = "") -> ModelShape:
@@ -51,10 +36,3 @@ def shape_of(facts: ModelFacts, name: str = "") -> ModelShape:
 
 def kv_cache_bytes(facts: ModelFacts, context: int, sequences: int = 1) -> int:
     return sizing.kv_cache_bytes(shape_of(facts).arch, context, sequences)
-
-
-def estimate(engine: Engine, facts: ModelFacts | None, load: LoadSpec) -> Footprint:
-    """Bytes `engine` will hold for `load` (one sequence of KV cache at its context length)."""
-    b = engine.size(facts, load, load.path.name, 1)
-    return Footprint(weights=b.weights, kv_cache=b.kv_cache,
-                     overhead=b.overhead + b.activations + b.gradients + b.optimizer)

@@ -15,8 +15,6 @@ from packserve.planner import catalog, plan, sizing
 from packserve.planner.sizing import Breakdown, ModelShape, Workload
 from packserve.units import format_bytes
 
-GB = 1_000_000_000
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("what to size (a config, or one ad-hoc model)")
@@ -109,7 +107,7 @@ def config_inputs(args: argparse.Namespace) -> Inputs:
     seen: dict[str, str] = {}
     models: list[Breakdown] = []
     notes: list[str] = []
-    for r in resolve_models(load_config(args.config)):
+    for r in resolve_models(load_config(args.config), device=str):
         name, context = r.spec.name, args.context or r.load.context_length
         if r.facts is None:
             notes.append(f"{name}: {r.engine.name} engine reads no weight files, not sized")
@@ -213,7 +211,8 @@ def build_report(args: argparse.Namespace) -> dict[str, object]:
                    "sources": list(price_list.sources)},
         "notes": [
             *inputs.notes,
-            f"runtime_bytes: {sizing.GPU_RUNTIME_BYTES >> 20} MiB of CUDA context per GPU",
+            f"runtime_bytes: {format_bytes(sizing.GPU_RUNTIME_BYTES, compact=True)} of CUDA "
+            f"context per GPU",
             f"a card offers {plan.USABLE_FRACTION:.0%} of its memory minus the CUDA context"],
     }
 
@@ -239,7 +238,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _gb(n: object) -> str:
     """A cell of the report: "-" where there is nothing, else decimal GB as cards are sold."""
-    return format_bytes(n, decimal=True) if isinstance(n, int) and n else "-"
+    return format_bytes(n, decimal=True, compact=True) if isinstance(n, int) and n else "-"
 
 
 def print_report(report: dict[str, object]) -> None:

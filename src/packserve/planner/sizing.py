@@ -248,7 +248,8 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1) -> 
         name=shape.name, weights=shape.weight_bytes,
         kv_cache=kv_cache_bytes(arch, context, sequences),
         overhead=LLAMA_FIXED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * arch.vocab_size,
-        assumptions=(f"{shape.name}: llama.cpp, {format_bytes(shape.weight_bytes)} of tensors "
+        assumptions=(f"{shape.name}: llama.cpp, "
+                     f"{format_bytes(shape.weight_bytes, compact=True)} of tensors "
                      f"from the GGUF header, f16 KV cache for {context} tokens x {sequences} "
                      f"sequence(s), 20 MiB + 122 B per vocabulary entry of runtime",))
 
@@ -258,5 +259,6 @@ def encoder_breakdown(shape: ModelShape) -> Breakdown:
     Activations are transient and live in the device's headroom."""
     return Breakdown(
         name=shape.name, weights=shape.weight_bytes, overhead=ENCODER_OVERHEAD,
-        assumptions=(f"{shape.name}: sentence-transformers, {format_bytes(shape.weight_bytes)} "
-                     f"of tensors from the safetensors header + 2 MiB of tokenizer and modules",))
+        assumptions=(f"{shape.name}: sentence-transformers, "
+                     f"{format_bytes(shape.weight_bytes, compact=True)} of tensors from the "
+                     f"safetensors header + 2 MiB of tokenizer and modules",))

@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import APIRouter
 
 from packserve.api.services import Services, ServicesDep
-from packserve.core.scheduler import Scheduler
 
 router = APIRouter()
 
@@ -31,12 +30,13 @@ async def plan(model: str, s: ServicesDep) -> dict[str, Any]:
             "victims": list(answer.victims)}
 
 
-def _admin(action: Callable[[Scheduler, str], Awaitable[None] | None]
-           ) -> Callable[[str, Services], Awaitable[dict[str, Any]]]:
-    """A route that runs `action` on the model, then answers with the model's state."""
+def _admin(verb: str) -> Callable[[str, Services], Awaitable[dict[str, Any]]]:
+    """A route that runs the scheduler's `verb` (load, unload, pin, unpin) on the model, then
+    answers with the model's state."""
 
     async def route(name: str, s: ServicesDep) -> dict[str, Any]:
-        done = action(s.scheduler, name)
+        action: Callable[[str], Awaitable[None] | None] = getattr(s.scheduler, verb)
+        done = action(name)
         if done is not None:
             await done
         row = next(m for m in s.scheduler.models() if m.name == name)
@@ -44,7 +44,5 @@ def _admin(action: Callable[[Scheduler, str], Awaitable[None] | None]
     return route
 
 
-for _verb, _action in (("load", Scheduler.load), ("unload", Scheduler.unload),
-                       ("pin", Scheduler.pin), ("unpin", Scheduler.unpin)):
-    router.add_api_route(f"/v1/residency/{{name:path}}/{_verb}", _admin(_action),
-                         methods=["POST"])
+for _verb in ("load", "unload", "pin", "unpin"):
+    router.add_api_route(f"/v1/residency/{{name:path}}/{_verb}", _admin(_verb), methods=["POST"])
