@@ -248,6 +248,20 @@ def serve_process(config: Path | None, tmp: Path, *args: str,
                 proc.wait()
 
 
+def fake_model(name: str, *extra: str, tasks: str = '["embed"]', backend: str = "fake",
+               source: str = "fake:64MiB") -> str:
+    """One `[[models]]` entry as TOML; `extra` lines are added as they are."""
+    lines = ["[[models]]", f'name = "{name}"', f"tasks = {tasks}", f'backend = "{backend}"',
+             f'source = "{source}"', *extra]
+    return "\n".join(lines) + "\n"
+
+
+def cpu_device(budget: str = "2GiB", headroom: str = "1MiB", *extra: str) -> str:
+    """The `[devices.cpu]` table as TOML."""
+    return "\n".join(["[devices.cpu]", f'memory_budget = "{budget}"',
+                      f'headroom = "{headroom}"', *extra]) + "\n"
+
+
 def chat_body(content: str, model: str = "gen", **extra: object) -> dict[str, object]:
     """A chat request of one user message."""
     return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
@@ -257,27 +271,9 @@ def fake_config(tmp: Path, extra: str = "", **server: object) -> Path:
     """Two fake models (a generator and an embedder) for fault-injection tests."""
     settings = {"data_dir": str(tmp / "data"), "drain_s": 10, "crash_window_s": 120, **server}
     lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items())
-    text = f"""[server]
-{lines}
-
-[devices.cpu]
-memory_budget = "2GiB"
-headroom = "1MiB"
-
-[[models]]
-name = "gen"
-tasks = ["chat", "complete"]
-backend = "fake"
-source = "fake:64MiB"
-max_concurrency = 4
-
-[[models]]
-name = "emb"
-tasks = ["embed"]
-backend = "fake"
-source = "fake:32MiB"
-max_concurrency = 8
-{extra}"""
+    text = (f"[server]\n{lines}\n" + cpu_device()
+            + fake_model("gen", "max_concurrency = 4", tasks='["chat", "complete"]')
+            + fake_model("emb", "max_concurrency = 8", source="fake:32MiB") + extra)
     path = tmp / "packserve.toml"
     path.write_text(text, "utf-8")
     return path

@@ -10,6 +10,7 @@ import pytest
 from packserve.config import Config, ModelSpec, load_config
 from packserve.errors import ConfigError
 from packserve.units import parse_bytes
+from tests.factories import fake_model
 
 GiB = 2**30
 MiB = 2**20
@@ -19,13 +20,6 @@ def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "packserve.toml"
     path.write_text(text, "utf-8")
     return path
-
-
-def fake_model(name: str, *extra: str, tasks: str = '["embed"]', backend: str = "fake",
-               source: str = "fake:64MiB") -> str:
-    lines = ["[[models]]", f'name = "{name}"', f"tasks = {tasks}", f'backend = "{backend}"',
-             f'source = "{source}"', *extra]
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- the built-in catalog

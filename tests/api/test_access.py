@@ -16,28 +16,20 @@ from packserve import auth
 from packserve.cli import main
 from packserve.core.events import RequestEvent
 from packserve.errors import ConfigError
-from tests.factories import TIMEOUT, Running, config_from, fake_config, serve, serve_process
+from tests.factories import (
+    TIMEOUT,
+    Running,
+    config_from,
+    cpu_device,
+    fake_config,
+    fake_model,
+    serve,
+    serve_process,
+)
 
-MODELS = """
-[devices.cpu]
-memory_budget = "1GiB"
-headroom = "1MiB"
-
-[[models]]
-name = "emb"
-tasks = ["embed", "rerank"]
-backend = "fake"
-source = "fake:16MiB"
-device = "cpu"
-
-[[models]]
-name = "gen"
-tasks = ["chat", "complete"]
-backend = "fake"
-source = "fake:16MiB"
-device = "cpu"
-"""
-
+MODELS = (cpu_device("1GiB")
+          + fake_model("emb", 'device = "cpu"', tasks='["embed", "rerank"]', source="fake:16MiB")
+          + fake_model("gen", 'device = "cpu"', tasks='["chat", "complete"]', source="fake:16MiB"))
 
 def keyed_config_text(keys_file: Path, views: str = "admin") -> str:
     return (f'[server]\nkeys_file = "{keys_file}"\noperator_views = "{views}"\n'

@@ -6,29 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.factories import Running, config_from, serve
+from tests.factories import Running, config_from, cpu_device, fake_model, serve
 
-FAKE = """
-[devices.cpu]
-memory_budget = "150MiB"
-headroom = 0
-price_per_hour = 3.6
-
-[[models]]
-name = "emb"
-tasks = ["embed", "rerank"]
-backend = "fake"
-source = "emb/fake:100MiB"
-device = "cpu"
-
-[[models]]
-name = "gen"
-tasks = ["chat", "complete"]
-backend = "fake"
-source = "gen/fake:100MiB"
-device = "cpu"
-"""
-
+FAKE = (cpu_device("150MiB", "0", "price_per_hour = 3.6")
+        + fake_model("emb", 'device = "cpu"', tasks='["embed", "rerank"]',
+                     source="emb/fake:100MiB")
+        + fake_model("gen", 'device = "cpu"', tasks='["chat", "complete"]',
+                     source="gen/fake:100MiB"))
 
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
