@@ -12,6 +12,10 @@ adding, rotating and revoking a key needs no restart.
     sha256 = "9f86d0..."            # hex digest of the key
     models = ["all-minilm-*", "minilm-rerank"]   # names or globs; default ["*"]
     admin = false                   # may load, unload, pin, unpin and reload
+    requests_per_second = 20        # optional limits; over one: 429 with Retry-After
+    concurrent_requests = 8
+    tokens_per_minute = 200000      # prompt + completion (or input) tokens
+    weight = 1.0                    # share of a busy model's queue against other keys
 """
 
 from __future__ import annotations
@@ -19,20 +23,21 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
+import math
 import os
 import re
 import secrets
 import threading
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from packserve.errors import ConfigError
+from packserve.errors import ConfigError, RateLimited
 
 KEY_PREFIX = "psk-"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -55,6 +60,10 @@ class _KeyRow(BaseModel):
     sha256: str
     models: list[str] = Field(default_factory=lambda: ["*"], min_length=1)
     admin: bool = False
+    requests_per_second: float | None = Field(default=None, gt=0)
+    concurrent_requests: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    weight: float = Field(default=1.0, gt=0, le=1000)
 
     @field_validator("name")
     @classmethod
@@ -80,6 +89,10 @@ class Key:
     digest: bytes
     models: tuple[str, ...]
     admin: bool
+    requests_per_second: float | None = None
+    concurrent_requests: int | None = None
+    tokens_per_minute: int | None = None
+    weight: float = 1.0
 
     def may_call(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -115,7 +128,10 @@ def parse_keys(text: str, origin: str) -> tuple[Key, ...]:
             raise ConfigError(f"{origin}: keys[{i}].name: two keys are named {entry.name!r}")
         names.add(entry.name)
         keys.append(Key(name=entry.name, digest=bytes.fromhex(entry.sha256),
-                        models=tuple(entry.models), admin=entry.admin))
+                        models=tuple(entry.models), admin=entry.admin,
+                        requests_per_second=entry.requests_per_second,
+                        concurrent_requests=entry.concurrent_requests,
+                        tokens_per_minute=entry.tokens_per_minute, weight=entry.weight))
     return tuple(keys)
 
 
@@ -174,13 +190,22 @@ class KeyRing:
         return found
 
 
-def _block(name: str, sha256: str, models: Sequence[str], admin: bool) -> str:
-    scope = ", ".join(_toml_string(m) for m in models)
-    return (f"\n[[keys]]\nname = {_toml_string(name)}\nsha256 = \"{sha256}\"\n"
-            f"models = [{scope}]\nadmin = {'true' if admin else 'false'}\n")
+def _block(key: Key) -> str:
+    scope = ", ".join(_toml_string(m) for m in key.models)
+    lines = [f"name = {_toml_string(key.name)}", f'sha256 = "{key.digest.hex()}"',
+             f"models = [{scope}]", f"admin = {'true' if key.admin else 'false'}"]
+    lines += [f"{name} = {value}" for name, value in (
+        ("requests_per_second", key.requests_per_second),
+        ("concurrent_requests", key.concurrent_requests),
+        ("tokens_per_minute", key.tokens_per_minute)) if value is not None]
+    if key.weight != 1.0:
+        lines.append(f"weight = {key.weight}")
+    return "\n[[keys]]\n" + "\n".join(lines) + "\n"
 
 
-def mint(path: Path, name: str, models: Sequence[str], admin: bool) -> str:
+def mint(path: Path, name: str, models: Sequence[str], admin: bool, *,
+         requests_per_second: float | None = None, concurrent_requests: int | None = None,
+         tokens_per_minute: int | None = None, weight: float = 1.0) -> str:
     """Append a new key named `name` to the keys file (created 0600) and return the key."""
     if not _NAME.match(name):
         raise ConfigError(f"key name {name!r}: use letters, digits and . _ - "
@@ -192,7 +217,10 @@ def mint(path: Path, name: str, models: Sequence[str], admin: bool) -> str:
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "a", encoding="utf-8") as fh:
-        fh.write(_block(name, hashlib.sha256(key.encode()).hexdigest(), models or ["*"], admin))
+        fh.write(_block(Key(name=name, digest=digest(key), models=tuple(models or ["*"]),
+                            admin=admin, requests_per_second=requests_per_second,
+                            concurrent_requests=concurrent_requests,
+                            tokens_per_minute=tokens_per_minute, weight=weight)))
     parse_keys(path.read_text("utf-8"), str(path))  # what was written reads back
     return key
 
@@ -204,7 +232,7 @@ def revoke(path: Path, name: str) -> None:
         raise ConfigError(f"{path} has no key named {name!r} (it has: "
                           f"{', '.join(k.name for k in keys) or 'none'})")
     text = "# packserve API keys: digests only (packserve keys create|list|revoke)\n" + "".join(
-        _block(k.name, k.digest.hex(), k.models, k.admin) for k in keys if k.name != name)
+        _block(k) for k in keys if k.name != name)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -214,3 +242,56 @@ def revoke(path: Path, name: str) -> None:
 
 def _toml_string(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class KeyLimits:
+    """Each key's own limits: requests per second and tokens per minute (token buckets) and
+    requests at once. State is kept by key name, limits are read from the key on every call
+    (a reloaded file changes them at once). Called on the event loop only."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._requests: dict[str, tuple[float, float]] = {}  # name -> (tokens, at)
+        self._tokens: dict[str, tuple[float, float]] = {}
+        self._running: dict[str, int] = {}
+
+    def admit(self, key: Key) -> None:
+        """Count a request in, or raise RateLimited naming the limit and when to retry."""
+        now = self._clock()
+        if key.concurrent_requests is not None and \
+                self._running.get(key.name, 0) >= key.concurrent_requests:
+            raise RateLimited(f"key {key.name!r} has {key.concurrent_requests} requests "
+                              f"running, its concurrent_requests limit", retry_after_s=1)
+        if key.tokens_per_minute is not None:
+            level = self._level(self._tokens, key.name, key.tokens_per_minute / 60.0,
+                                key.tokens_per_minute, now)
+            if level <= 0:
+                wait = math.ceil((1 - level) / (key.tokens_per_minute / 60.0))
+                raise RateLimited(f"key {key.name!r} used its tokens_per_minute limit of "
+                                  f"{key.tokens_per_minute}; retry in {wait}s",
+                                  retry_after_s=wait)
+        if key.requests_per_second is not None:
+            rate = key.requests_per_second
+            level = self._level(self._requests, key.name, rate, max(1.0, rate), now)
+            if level < 1:
+                wait = math.ceil((1 - level) / rate)
+                raise RateLimited(f"key {key.name!r} is over its requests_per_second limit of "
+                                  f"{rate:g}; retry in {wait}s", retry_after_s=wait)
+            self._requests[key.name] = (level - 1, now)
+        self._running[key.name] = self._running.get(key.name, 0) + 1
+
+    def release(self, key: Key, tokens: int) -> None:
+        """A request admitted by `admit` ended, having used `tokens`."""
+        self._running[key.name] = max(0, self._running.get(key.name, 0) - 1)
+        if key.tokens_per_minute is not None and tokens:
+            now = self._clock()
+            level = self._level(self._tokens, key.name, key.tokens_per_minute / 60.0,
+                                key.tokens_per_minute, now)
+            self._tokens[key.name] = (level - tokens, now)  # may go below zero: it waits
+
+    def _level(self, buckets: dict[str, tuple[float, float]], name: str, rate: float,
+               capacity: float, now: float) -> float:
+        level, at = buckets.get(name, (capacity, now))
+        level = min(capacity, level + (now - at) * rate)
+        buckets[name] = (level, now)
+        return level

@@ -38,6 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="models the key may call: names or globs, comma-separated (default *)")
     keys.add_argument("--admin", action="store_true",
                       help="the key may load, unload, pin, unpin and reload")
+    keys.add_argument("--rps", type=float, help="limit: requests per second")
+    keys.add_argument("--concurrency", type=int, help="limit: requests at once")
+    keys.add_argument("--tokens-per-minute", type=int, help="limit: tokens per minute")
+    keys.add_argument("--weight", type=float, default=1.0,
+                      help="share of a busy model's queue against other keys (default 1)")
     keys.add_argument("--config", help="the config whose server.keys_file to use")
     keys.add_argument("--file", help="the keys file (default: the config's keys_file)")
 
@@ -116,7 +121,9 @@ def _keys(args: argparse.Namespace) -> int:
             raise ConfigError(f"packserve keys {args.action} needs a NAME")
         if args.action == "create":
             models = [m.strip() for m in args.models.split(",") if m.strip()]
-            key = auth.mint(path, args.name, models, args.admin)
+            key = auth.mint(path, args.name, models, args.admin,
+                            requests_per_second=args.rps, concurrent_requests=args.concurrency,
+                            tokens_per_minute=args.tokens_per_minute, weight=args.weight)
             print(key)
             print(f"packserve keys: {args.name!r} added to {path} (only its digest is kept: "
                   f"this is the one time the key is shown)", file=sys.stderr)
@@ -126,7 +133,12 @@ def _keys(args: argparse.Namespace) -> int:
                   f"accepting it within a second", file=sys.stderr)
         else:
             for k in auth.parse_keys(path.read_text("utf-8"), str(path)):
-                print(f"{k.name}\t{'admin' if k.admin else 'key'}\t{','.join(k.models)}")
+                limits = ",".join(f"{n}={v:g}" for n, v in (
+                    ("rps", k.requests_per_second), ("concurrency", k.concurrent_requests),
+                    ("tokens_per_minute", k.tokens_per_minute), ("weight", k.weight))
+                    if v is not None and not (n == "weight" and v == 1.0)) or "-"
+                print(f"{k.name}\t{'admin' if k.admin else 'key'}\t{','.join(k.models)}\t"
+                      f"{limits}")
     except ConfigError as exc:
         print(f"packserve keys: {exc.message}", file=sys.stderr)
         return 2

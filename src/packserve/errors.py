@@ -71,6 +71,15 @@ class QueueFull(_RetryLater):
     code = "queue_full"
 
 
+class RateLimited(_RetryLater):
+    """An API key over one of its own limits (requests per second, concurrent requests,
+    tokens per minute)."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
 class ModelUnavailable(_RetryLater):
     """The model failed to load and is cooling down, or memory did not free up in time."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from packserve import auth
 from packserve.cli import main
 from packserve.core.events import RequestEvent
-from packserve.errors import ConfigError
+from packserve.errors import ConfigError, RateLimited
 from tests.factories import (
     TIMEOUT,
     Running,
@@ -129,7 +130,7 @@ def test_metrics_and_events_carry_the_key_name_never_the_key(
 def wait_for(check: Callable[[], bool]) -> None:
     deadline = time.monotonic() + TIMEOUT
     while not check():
-        assert time.monotonic() < deadline, "the server never saw the keys file change"
+        assert time.monotonic() < deadline, "the server never got there"
         time.sleep(0.1)
 
 
@@ -198,7 +199,7 @@ def test_keys_cli_prints_the_key_once_and_keeps_only_its_digest(
     assert main(["keys", "create", "team-a", "--file", str(path)]) == 2
     assert "already has a key named 'team-a'" in capsys.readouterr().err
     assert main(["keys", "list", "--file", str(path)]) == 0
-    assert capsys.readouterr().out.split() == ["team-a", "key", "emb,rerank-*"]
+    assert capsys.readouterr().out.split() == ["team-a", "key", "emb,rerank-*", "-"]
     assert main(["keys", "revoke", "team-a", "--file", str(path)]) == 0
     assert auth.parse_keys(path.read_text(), str(path)) == ()
 
@@ -235,3 +236,70 @@ def test_the_front_checks_keys_on_its_own_routes_and_before_relaying(tmp_path: P
         assert c.post("/v1/admin/reload", headers=bearer(admin)).status_code == 200
         error_of(c.get("/metrics", headers=bearer(plain)), 403)
         assert "packserve_engine_crashes_total" in c.get("/metrics", headers=bearer(admin)).text
+
+
+# ------------------------------------------------------------------ each key's own limits
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def limited(**limits: Any) -> auth.Key:
+    return auth.Key(name="team", digest=b"", models=("*",), admin=False, **limits)
+
+
+def test_requests_per_second_is_a_token_bucket() -> None:
+    clock = FakeClock()
+    limits, key = auth.KeyLimits(clock), limited(requests_per_second=2.0)
+    limits.admit(key)
+    limits.admit(key)  # a burst of up to 2
+    with pytest.raises(RateLimited, match="requests_per_second limit of 2") as refused:
+        limits.admit(key)
+    assert refused.value.retry_after_s == 1 and refused.value.status == 429
+    clock.now = 0.5  # one more request's worth refilled
+    limits.admit(key)
+
+
+def test_concurrent_requests_and_tokens_per_minute() -> None:
+    clock = FakeClock()
+    limits = auth.KeyLimits(clock)
+    one = limited(concurrent_requests=1)
+    limits.admit(one)
+    with pytest.raises(RateLimited, match="concurrent_requests"):
+        limits.admit(one)
+    limits.release(one, 0)
+    limits.admit(one)
+    tokens = limited(tokens_per_minute=60)  # one token a second
+    limits.admit(tokens)
+    limits.release(tokens, 100)  # a request may overdraw; the next ones wait it out
+    with pytest.raises(RateLimited, match="tokens_per_minute") as refused:
+        limits.admit(tokens)
+    assert refused.value.retry_after_s == 41  # from -40 back to above zero at 1 token/s
+    clock.now = 41
+    limits.admit(tokens)
+
+
+def test_a_key_over_its_limit_gets_429_with_retry_after(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    key = auth.mint(path, "one-at-a-time", ["*"], admin=False, concurrent_requests=1)
+    other = auth.mint(path, "other", ["*"], admin=False)
+    with serve(config_from(tmp_path, keyed_config_text(path))) as running, \
+            running.client() as c:
+        slow = ThreadPoolExecutor(1).submit(
+            c.post, "/v1/chat/completions", headers=bearer(key),
+            json={"model": "gen", "messages": [{"role": "user", "content": "@@sleep=2 x"}]})
+        wait_for(lambda: any(m.name == "gen" and m.in_flight
+                             for m in running.scheduler.models()))
+        r = c.post("/v1/embeddings", headers=bearer(key), json={"model": "emb", "input": "x"})
+        err = error_of(r, 429)
+        assert err["code"] == "rate_limit_exceeded" and "one-at-a-time" in err["message"]
+        assert r.headers["Retry-After"] == "1"
+        # another key is not held back by this one's limit
+        assert c.post("/v1/embeddings", headers=bearer(other),
+                      json={"model": "emb", "input": "x"}).status_code == 200
+        assert slow.result(timeout=TIMEOUT).status_code == 200

@@ -14,6 +14,7 @@ from packserve.api.access import CALLER, may_call
 from packserve.api.asgi import REQUEST_ID
 from packserve.api.batching import Batchers
 from packserve.api.calls import Call
+from packserve.auth import KeyLimits
 from packserve.core.scheduler import Scheduler
 from packserve.errors import ModelNotFound
 from packserve.metrics.telemetry import Telemetry
@@ -27,6 +28,7 @@ class Services:
     scheduler: Scheduler
     telemetry: Telemetry
     batchers: Batchers = field(default_factory=Batchers)
+    limits: KeyLimits = field(default_factory=KeyLimits)  # each API key's own limits
 
     @contextlib.asynccontextmanager
     async def lease(self, model: str, task: Task) -> AsyncIterator[Call]:
@@ -41,9 +43,21 @@ class Services:
                 f"model {model!r} does not exist or you have no access to it; key "
                 f"{caller.name!r} may call: {', '.join(self.visible_models()) or 'no model'}",
                 param="model")
-        async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get(),
-                                          key=caller.name if caller else "") as lease:
-            yield Call(lease, self.batchers)
+        if caller is None:
+            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
+                yield Call(lease, self.batchers)
+            return
+        self.limits.admit(caller)  # RateLimited (429) before the request takes a model slot
+        used = 0
+        try:
+            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get(),
+                                              key=caller.name, weight=caller.weight) as lease:
+                try:
+                    yield Call(lease, self.batchers)
+                finally:
+                    used = lease.prompt_tokens + lease.completion_tokens
+        finally:
+            self.limits.release(caller, used)
 
     def visible_models(self) -> list[str]:
         """The catalog names the request being served may call (all of them without keys)."""

@@ -43,7 +43,6 @@ import re
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -72,6 +71,7 @@ from packserve.core.events import (
     RequestStartEvent,
     log_event,
 )
+from packserve.core.fairness import FairQueue
 from packserve.core.memory import MemoryProbe
 from packserve.core.policy import (
     Admission,
@@ -271,7 +271,8 @@ class _Model:
     pinned: bool
     estimated: int
     running: int = 0
-    waiters: deque[asyncio.Future[None]] = field(default_factory=deque)
+    # requests waiting for a slot, shared fairly between API keys (core.fairness)
+    waiters: FairQueue[asyncio.Future[None]] = field(default_factory=FairQueue)
     mean_service_s: float = 1.0
 
     @property
@@ -461,9 +462,10 @@ class Scheduler:
 
     @contextlib.asynccontextmanager
     async def acquire(self, name: str, task: Task, *, request_id: str = "",
-                      key: str = "") -> AsyncIterator[Lease]:
+                      key: str = "", weight: float = 1.0) -> AsyncIterator[Lease]:
         """Lend `name` for one request: quota slot, then load if needed. Raises PackserveError.
-        `request_id` and `key` (the caller's API key name) travel in the request's events.
+        `request_id` and `key` (the caller's API key name) travel in the request's events;
+        requests waiting for a slot are served fairly between keys, by `weight`.
 
         A caller cancelled while it waits or holds the lease (its client went away) is counted
         with status 499, outcome "client_closed"; the load it may have started goes on if the
@@ -478,7 +480,7 @@ class Scheduler:
         device = res.load.device
         t_enter = self._clock()
         try:
-            await self._take_slot(model)
+            await self._take_slot(model, key, weight)
         except (QueueFull, asyncio.CancelledError) as exc:
             status, outcome = _outcome(exc)
             self._emit(RequestEvent(
@@ -520,7 +522,7 @@ class Scheduler:
                 completion_tokens=lease.completion_tokens if lease else 0,
                 started=lease is not None, request_id=request_id, key=key))
 
-    async def _take_slot(self, model: _Model) -> None:
+    async def _take_slot(self, model: _Model, key: str = "", weight: float = 1.0) -> None:
         decision = admit_request(model.running, len(model.waiters), model.spec.concurrency,
                                  model.spec.max_queue, model.mean_service_s)
         if decision.run:
@@ -533,13 +535,11 @@ class Scheduler:
                 f"max_queue={model.spec.max_queue}); retry in {decision.retry_after_s}s",
                 retry_after_s=decision.retry_after_s)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        model.waiters.append(waiter)
+        model.waiters.push(waiter, key, weight)
         try:
             await waiter  # _give_slot hands its slot over: running is already counted
         except asyncio.CancelledError:
-            if waiter in model.waiters:
-                model.waiters.remove(waiter)
-            elif waiter.done() and not waiter.cancelled():
+            if not model.waiters.remove(waiter) and waiter.done() and not waiter.cancelled():
                 self._give_slot(model)  # the slot was handed to us as we were cancelled
             raise
 
@@ -548,7 +548,7 @@ class Scheduler:
         running than its (reconfigured, smaller) max_concurrency."""
         if model.running <= model.spec.concurrency:
             while model.waiters:
-                waiter = model.waiters.popleft()
+                waiter = model.waiters.pop()
                 if not waiter.done():
                     waiter.set_result(None)
                     return
@@ -557,7 +557,7 @@ class Scheduler:
     def _fill_slots(self, model: _Model) -> None:
         """Start queued requests while slots are free (after max_concurrency grew)."""
         while model.waiters and model.running < model.spec.concurrency:
-            waiter = model.waiters.popleft()
+            waiter = model.waiters.pop()
             if not waiter.done():
                 model.running += 1
                 waiter.set_result(None)
