@@ -18,7 +18,8 @@ MIB = 1 << 20
 
 def source_path(name: str, tmp_path: Path) -> Path:
     spec = next(m for m in load_config(None).models if m.name == name)
-    return resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models")
+    return resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
+                          roots=None)
 
 
 def test_gguf_header_facts_of_smollm2(tmp_path: Path) -> None:

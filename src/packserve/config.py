@@ -57,6 +57,10 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     data_dir: str = "~/.cache/packserve"
+    # Directories model sources must stay under (real paths: `..` and symlinks leading out are
+    # refused at start); relative ones from this file's folder. None (unset): this file's
+    # folder, data_dir/models and the folders of the packages that `package:` sources name.
+    model_roots: list[str] | None = Field(default=None, min_length=1)
     load_wait_s: float = Field(default=120.0, gt=0)
     failure_cooldown_s: float = Field(default=30.0, ge=0)
     max_request_bytes: Bytes = 4 * 1024 * 1024
@@ -121,6 +125,10 @@ class ModelSpec(_Strict):
     max_memory: Bytes | None = None
     context_length: int | None = Field(default=None, ge=16, le=1_048_576)
     max_batch: int = Field(default=64, ge=1, le=4096)
+    # Per-request limits; a request over one gets a 400 naming it.
+    max_inputs: int = Field(default=2048, ge=1, le=100_000)  # texts: inputs, documents, prompts
+    max_input_tokens: int | None = Field(default=None, ge=1)  # all of one request's inputs
+    max_output_tokens: int | None = Field(default=None, ge=1)  # ceiling on max_tokens
     trust_remote_code: bool = False
     allow_pickle: bool = False
 

@@ -20,7 +20,7 @@ from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Schedu
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
 from packserve.planner.sizing import Breakdown
-from packserve.sources import resolve_source
+from packserve.sources import model_roots, resolve_source
 
 if TYPE_CHECKING:
     from packserve.metrics.telemetry import Telemetry
@@ -51,12 +51,16 @@ class Resolved:
 
 def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
                    ) -> list[Resolved]:
-    """Resolve every model's source through its engine, and its device with `device` (the
+    """Resolve every model's source through its engine, confined to the model roots (a source
+    leading outside them is a ConfigError), and its device with `device` (the
     planner keeps "auto" as it is: sizing hardware must not depend on this host's GPU, nor
     import torch to ask). Raises ConfigError."""
     out = []
     base = Path(config.base_dir)
     models_dir = config.data_path / "models"
+    roots = model_roots(config.server.model_roots, base_dir=base, models_dir=models_dir,
+                        sources=[s.source for s in config.models
+                                 if backends.get(s.backend).reads_files])
     facts_by_path: dict[Path, ModelFacts] = {}
     for i, spec in enumerate(config.models):
         where = f"models[{i}] ({spec.name})"
@@ -64,7 +68,8 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
         facts: ModelFacts | None = None
         if engine.reads_files:
             try:
-                path = resolve_source(spec.source, base_dir=base, models_dir=models_dir)
+                path = resolve_source(spec.source, base_dir=base, models_dir=models_dir,
+                                      roots=roots)
                 facts = facts_by_path.get(path) or read_facts_cached(
                     path, config.data_path / "model_facts.json")
                 facts_by_path[path] = facts

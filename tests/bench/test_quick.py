@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from packserve.bench.soak import KINDS, budget_for, pooled_slope
 from packserve.bench.trace import make_trace
 from packserve.cli import main
 
@@ -60,3 +61,55 @@ def test_trace_is_reproducible_and_shaped_by_its_parameters() -> None:
 def _cv(xs: list[float]) -> float:
     mean = sum(xs) / len(xs)
     return float((sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5 / mean)
+
+
+def test_quick_soak_answers_every_request_it_accepts_without_a_500(tmp_path: Path,
+                                                                    models_dir: Path) -> None:
+    out, docs = tmp_path / "out", tmp_path / "benchmarks.md"
+    rc = main(["bench", "soak", "--quick", "--no-progress", "--out", str(out),
+               "--docs", str(docs), "--data-dir", str(models_dir)])
+    assert rc == 0
+    data = json.loads((out / "soak.json").read_text("utf-8"))
+    assert data["scenario"] == "soak" and data["quick"] is True
+    r = data["results"]
+    assert tuple(r["by_type"]) == KINDS == ("embed", "rerank", "chat", "extract", "complete")
+    for kind, t in r["by_type"].items():
+        assert t["sent"] > 0, f"no {kind} traffic"
+        assert t["sent"] == t["accepted"] == t["answered"], (kind, t["transport_errors"])
+        assert t["lost"] == 0 and t["status_500"] == 0, (kind, t)
+    assert r["lost"] == r["status_500"] == r["clients_still_waiting"] == 0
+    assert r["events"].get("evict", 0) > 0, "the budget must make models leave"
+    assert set(r["keys"]) == {c["key"] for c in r["clients"]} | {"ops"}
+    for when in ("idle", "start", "end"):
+        procs = r["processes"][when]
+        assert {"front", "worker"} <= set(procs)
+        assert all(p["fds"] > 0 and p["threads"] > 0 and p["pss_bytes"] > 0
+                   for p in procs.values())
+    for sample in r["samples"]:
+        assert sample["resident"] and sample["pss_bytes"] > 0
+        assert sample["pss_bytes"] == sum(p["pss_bytes"] for p in sample["processes"].values())
+    goals = {g["name"]: g for g in data["goals"]}
+    assert goals["soak: requests answered / accepted"]["met"] is True
+    assert goals["soak: answers other than 500 / answered"]["met"] is True
+    slope = goals["soak: PSS slope after warm-up / 1 MiB per minute"]
+    assert slope["value"] is not None or slope["note"]
+    assert "### `soak`" in docs.read_text("utf-8")
+
+
+def test_soak_slope_is_fitted_within_each_resident_set() -> None:
+    # Two resident sets 300 MiB apart, swapped every 10 s: the jumps are not a slope.
+    def level(t: int) -> tuple[str, float]:
+        return ("gemma", 300.0) if (t // 10) % 2 else ("smollm2", 0.0)
+
+    flat = [(float(t), *level(t)) for t in range(600)]
+    assert pooled_slope(flat) == pytest.approx(0.0)
+    growing = [(t, group, value + t / 60) for t, group, value in flat]  # 1 MiB a minute
+    assert pooled_slope(growing) == pytest.approx(1 / 60)
+    assert pooled_slope([(0.0, "a", 1.0), (1.0, "b", 2.0)]) is None  # no set sampled twice
+
+
+def test_soak_budget_fits_the_largest_load_with_the_smallest_only() -> None:
+    minilm, smollm2, gemma = 87, 160, 319
+    capacity = budget_for([gemma, minilm, smollm2])
+    assert gemma + minilm <= capacity < gemma + smollm2
+    assert minilm + smollm2 <= capacity

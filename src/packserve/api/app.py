@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from packserve.api.access import Authenticate, OperatorViews
 from packserve.api.asgi import CLIENT_CLOSED, BodyLimit, CancelOnDisconnect, RequestId
 from packserve.api.errors import add_error_handlers
+from packserve.api.openapi import install as install_openapi
 from packserve.api.routes import ROUTERS
 from packserve.api.services import Services
 from packserve.auth import KeyRing
@@ -66,6 +67,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
     add_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    install_openapi(app, lambda: [(m.name, m.tasks) for m in scheduler.models()],
+                    keys=keys is not None, views=operator_views)
     return app
 
 

@@ -47,7 +47,9 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
             return JSONResponse(error_body(
                 f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
                 "invalid_request_error"), status_code=400)
-        loc = [str(p) for p in err["loc"] if p != "body"]
+        # Without pydantic's names for union members ("function-after[...]" and the like,
+        # with addresses in them): the path a client wrote, e.g. `input.0`.
+        loc = [str(p) for p in err["loc"] if p != "body" and "[" not in str(p)]
         where = ".".join(loc) or "body"
         param = param or where
         problems.append(f"{where}: {err['msg']}")
@@ -59,7 +61,7 @@ async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     code = _HTTP_CODES.get(exc.status_code, str(exc.status_code))
     return JSONResponse(error_body(str(exc.detail), type_, code=code),
-                        status_code=exc.status_code)
+                        status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -8,6 +8,7 @@ choice; a new generation route is one more `Completion` subclass.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from packserve.api.calls import Generate
 from packserve.api.errors import described
-from packserve.api.services import Services
+from packserve.api.services import Inputs, Services
 from packserve.core.backend import FinishReason, Generated
 from packserve.errors import PackserveError
 from packserve.types import Task
@@ -110,19 +111,21 @@ class TextCompletion(Completion):
 
 
 async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Generate], *,
-                 stream: bool = False, include_usage: bool = False,
+                 inputs: Inputs | None = None, stream: bool = False,
+                 include_usage: bool = False,
                  check: Check | None = None) -> dict[str, Any] | StreamingResponse:
     """Run `jobs` in order on one lease of `reply.model` and answer with one choice each; or,
     with `stream`, answer with server-sent events of the only job. `check` sees each output
     (after the lease is given back, unless streaming)."""
     if stream:
         assert len(jobs) == 1, "a stream has one choice"
-        return await _streamed(s, reply, task, jobs[0], check, include_usage)
-    async with s.lease(reply.model, task) as call:
+        return await _streamed(s, reply, task, jobs[0], inputs, check, include_usage)
+    async with s.lease(reply.model, task, inputs) as call:
         outs = [await call.generate(job) for job in jobs]
     if check is not None:
         for out in outs:
-            check(out)
+            # Off the loop: a schema's `pattern` can backtrack for seconds on hostile output.
+            await asyncio.to_thread(check, out)
     return reply.response(outs)
 
 
@@ -136,11 +139,12 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,
-                    check: Check | None, include_usage: bool) -> StreamingResponse:
+                    inputs: Inputs | None, check: Check | None, include_usage: bool
+                    ) -> StreamingResponse:
     """The lease is taken before the response starts, so quota, load and unknown-model errors
     still get their status code; it is released when the stream ends, after the generating
     thread has stopped. Errors after the start are reported in-band, then `[DONE]`."""
-    events = _events(s, reply, task, job, check, include_usage)
+    events = _events(s, reply, task, job, inputs, check, include_usage)
     first = await events.__anext__()  # acquires the lease, or raises a PackserveError
 
     async def body() -> AsyncIterator[str]:
@@ -153,15 +157,16 @@ async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,
 
 
 async def _events(s: Services, reply: Completion, task: Task, job: Generate,
-                  check: Check | None, include_usage: bool) -> AsyncIterator[str]:
-    async with s.lease(reply.model, task) as call, call.stream(job) as pieces:
+                  inputs: Inputs | None, check: Check | None, include_usage: bool
+                  ) -> AsyncIterator[str]:
+    async with s.lease(reply.model, task, inputs) as call, call.stream(job) as pieces:
         yield reply.opening()
         async for piece in pieces:
             yield sse(reply.chunk([reply.delta(piece, None)]))
         try:
             out = await pieces.result()
             if check is not None:
-                check(out)
+                await asyncio.to_thread(check, out)
         except Exception as exc:  # the response has started: report in-band, keep serving
             if not isinstance(exc, PackserveError):
                 log.exception("stream for %s failed", reply.model)

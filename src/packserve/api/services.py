@@ -4,7 +4,7 @@ dependency (`ServicesDep`). `create_app` makes them once and stores them on `app
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -13,12 +13,24 @@ from fastapi import Depends, Request
 from packserve.api.access import CALLER, may_call
 from packserve.api.asgi import REQUEST_ID
 from packserve.api.batching import Batchers
-from packserve.api.calls import Call
+from packserve.api.calls import Call, off_loop
 from packserve.auth import KeyLimits
-from packserve.core.scheduler import Scheduler
-from packserve.errors import ModelNotFound
+from packserve.config import ModelSpec
+from packserve.core.scheduler import Lease, Scheduler
+from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A request's texts, for the model's per-request limits: `texts` count toward max_inputs
+    (embedding inputs, documents, messages, prompts) and, with `also` (a rerank query), toward
+    max_input_tokens. `param` is the request field an error names."""
+
+    texts: Sequence[str]
+    param: str = "input"
+    also: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -31,9 +43,38 @@ class Services:
     limits: KeyLimits = field(default_factory=KeyLimits)  # each API key's own limits
 
     @contextlib.asynccontextmanager
-    async def lease(self, model: str, task: Task) -> AsyncIterator[Call]:
+    async def lease(self, model: str, task: Task, inputs: Inputs | None = None
+                    ) -> AsyncIterator[Call]:
         """Lease `model` for `task` on behalf of the request being served, and use it through
-        the `Call` this yields. Raises the scheduler's PackserveErrors (see `api.errors`)."""
+        the `Call` this yields. `inputs` are held to the model's max_inputs and
+        max_input_tokens. Raises PackserveErrors (see `api.errors`)."""
+        caller = CALLER.get()
+        spec = self.spec_of(model)
+        inputs = inputs or Inputs(())
+        if len(inputs.texts) > spec.max_inputs:
+            raise InvalidRequest(f"model {model!r} takes at most {spec.max_inputs} texts per "
+                                 f"request (its max_inputs); this one has {len(inputs.texts)}",
+                                 param=inputs.param)
+        if caller is None:
+            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
+                await _check_input_tokens(lease, spec, inputs)
+                yield Call(lease, self.batchers)
+            return
+        self.limits.admit(caller)  # RateLimited (429) before the request takes a model slot
+        used = 0
+        try:
+            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get(),
+                                              key=caller.name, weight=caller.weight) as lease:
+                try:
+                    await _check_input_tokens(lease, spec, inputs)
+                    yield Call(lease, self.batchers)
+                finally:
+                    used = lease.prompt_tokens + lease.completion_tokens
+        finally:
+            self.limits.release(caller, used)
+
+    def spec_of(self, model: str) -> ModelSpec:
+        """The catalog entry of `model`, if the request being served may call it."""
         caller = CALLER.get()
         if caller is not None and (not caller.may_call(model)
                                    or model not in self.scheduler.model_names()):
@@ -43,21 +84,24 @@ class Services:
                 f"model {model!r} does not exist or you have no access to it; key "
                 f"{caller.name!r} may call: {', '.join(self.visible_models()) or 'no model'}",
                 param="model")
-        if caller is None:
-            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
-                yield Call(lease, self.batchers)
-            return
-        self.limits.admit(caller)  # RateLimited (429) before the request takes a model slot
-        used = 0
-        try:
-            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get(),
-                                              key=caller.name, weight=caller.weight) as lease:
-                try:
-                    yield Call(lease, self.batchers)
-                finally:
-                    used = lease.prompt_tokens + lease.completion_tokens
-        finally:
-            self.limits.release(caller, used)
+        return self.scheduler.spec_of(model)
+
+    def max_tokens(self, model: str, requested: int | None, param: str = "max_tokens",
+                   default: int | None = None) -> int | None:
+        """The max_tokens a generation runs with: what the request asked (None: it did not
+        say, and `default` applies), within the model's max_output_tokens."""
+        ceiling = self.spec_of(model).max_output_tokens
+        if requested is None:
+            if ceiling is None or default is None:
+                return default if ceiling is None else ceiling
+            return min(default, ceiling)
+        if ceiling is None:
+            return requested
+        if requested > ceiling:
+            raise InvalidRequest(f"{param} is {requested} but model {model!r} generates at "
+                                 f"most {ceiling} tokens per request (its max_output_tokens)",
+                                 param=param)
+        return requested
 
     def visible_models(self) -> list[str]:
         """The catalog names the request being served may call (all of them without keys)."""
@@ -71,3 +115,14 @@ async def services(request: Request) -> Services:
 
 
 ServicesDep = Annotated[Services, Depends(services)]
+
+
+async def _check_input_tokens(lease: Lease, spec: ModelSpec, inputs: Inputs) -> None:
+    texts = [*inputs.texts, *inputs.also]
+    if spec.max_input_tokens is None or not texts:
+        return
+    tokens = sum(await off_loop(lease.runner.count_tokens, texts))
+    if tokens > spec.max_input_tokens:
+        raise InvalidRequest(f"this request's input is {tokens} tokens; model {spec.name!r} "
+                             f"takes at most {spec.max_input_tokens} per request (its "
+                             f"max_input_tokens)", param=inputs.param)

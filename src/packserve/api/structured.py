@@ -9,10 +9,15 @@ from typing import Any
 from packserve.api.schemas import ChatRequest
 from packserve.errors import InvalidRequest, ModelOutputInvalid
 
+# A schema nested deeper than this (objects and arrays, counted in the JSON) is refused: the
+# validator recurses once per level, several frames deep, and Python's stack is not endless.
+MAX_SCHEMA_DEPTH = 64
+
 
 def response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
     """(the JSON schema to constrain the output to, or None; whether any JSON object will do).
-    Raises InvalidRequest for a schema that is invalid or has a non-local `$ref`."""
+    Raises InvalidRequest for a schema that is invalid, nested deeper than `MAX_SCHEMA_DEPTH`,
+    or that the output check could not apply (see `_check_refs`)."""
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None, False
@@ -23,6 +28,11 @@ def response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(f"response_format.json_schema.schema is nested {depth} levels "
+                             f"deep; at most {MAX_SCHEMA_DEPTH} are accepted",
+                             param="response_format")
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
@@ -33,32 +43,48 @@ def response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
 
 
 def check_json(text: str, schema: dict[str, object] | None, model: str) -> None:
-    """Never pass broken JSON off as an answer: it must parse and match the schema."""
+    """Never pass broken JSON off as an answer: it must parse and match the schema. Output
+    nested deeper than Python's stack can follow is refused as such, never a crash."""
     try:
         value = json.loads(text)
+        errors = [] if schema is None else sorted(_validator(schema).iter_errors(value), key=str)
+    except RecursionError as exc:
+        raise ModelOutputInvalid(f"model {model!r} produced JSON nested too deeply to "
+                                 f"check") from exc
     except ValueError as exc:
         raise ModelOutputInvalid(f"model {model!r} stopped with output that is not JSON: "
                                  f"{exc}") from exc
-    if schema is not None:
-        errors = sorted(_validator(schema).iter_errors(value), key=str)
-        if errors:
-            raise ModelOutputInvalid(f"model {model!r} produced JSON that does not match the "
-                                     f"schema: {errors[0].message}")
-    elif not isinstance(value, dict):
+    if errors:
+        raise ModelOutputInvalid(f"model {model!r} produced JSON that does not match the "
+                                 f"schema: {errors[0].message}")
+    if schema is None and not isinstance(value, dict):
         raise ModelOutputInvalid(f"model {model!r} produced JSON that is not an object")
 
 
-def _refs(node: object) -> list[str]:
-    if isinstance(node, dict):
-        own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
-        return own + [r for v in node.values() for r in _refs(v)]
-    if isinstance(node, list):
-        return [r for v in node for r in _refs(v)]
-    return []
+def _depth(value: object) -> int:
+    """How deeply objects and arrays nest in a JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        children = (node.values() if isinstance(node, dict)
+                    else node if isinstance(node, list) else None)
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+# The applicators that apply a subschema to the very value being checked (not to a part of it):
+# a `$ref` cycle through these alone would never end.
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
 
 
 def _check_refs(schema: dict[str, object]) -> None:
-    """Only local `$ref`s, all resolvable: nothing is ever fetched on a client's behalf."""
+    """What the output check (`check_json`) can apply, refused before anything runs, else it
+    would fail after the model ran: only local `$ref`s, all resolvable, nothing ever fetched on
+    a client's behalf; no `$id` below the root (it would move where `#...` refers to) and no
+    `$dynamicRef`; no `$ref` that comes back to itself without descending into the value
+    (`{"$ref": "#"}`). Recursion through `properties`, `items` and the like is fine."""
     from referencing import Registry, Resource
     from referencing.exceptions import Unresolvable
     from referencing.jsonschema import DRAFT202012
@@ -66,15 +92,72 @@ def _check_refs(schema: dict[str, object]) -> None:
     resolver = Registry().with_resource(
         "urn:packserve:request", Resource.from_contents(schema, DRAFT202012)
     ).resolver("urn:packserve:request")
-    for ref in _refs(schema):
+    targets: dict[int, object] = {}  # id of a subschema with a $ref -> what it refers to
+    stack: list[object] = [schema]
+    while stack:  # every subschema, by the dialect's own idea of where subschemas are
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        stack.extend(DRAFT202012.subresources_of(node))
+        if node is not schema and "$id" in node:
+            raise InvalidRequest("schema $id is only accepted at the root (below it, it would "
+                                 "change what '#...' references mean)", param="response_format")
+        if "$dynamicRef" in node:
+            raise InvalidRequest("schema $dynamicRef is not supported; use $ref",
+                                 param="response_format")
+        ref = node.get("$ref")
+        if not isinstance(ref, str):
+            continue
         if not ref.startswith("#"):
             raise InvalidRequest(f"schema $ref {ref!r} is not local; only '#/...' references "
                                  f"are allowed", param="response_format")
         try:
-            resolver.lookup(ref)
+            targets[id(node)] = resolver.lookup(ref).contents
         except Unresolvable as exc:
             raise InvalidRequest(f"schema $ref {ref!r} does not resolve", param="response_format"
                                  ) from exc
+    _check_cycles(schema, targets)
+
+
+def _check_cycles(schema: dict[str, object], targets: dict[int, object]) -> None:
+    """Refuse a `$ref` cycle that stays on the same value (depth-first over `_IN_PLACE` and
+    `$ref` edges; `targets` maps each subschema with a `$ref` to its target)."""
+
+    def in_place(node: object) -> list[object]:
+        if not isinstance(node, dict):
+            return []
+        out = [targets[id(node)]] if id(node) in targets else []
+        for key in _IN_PLACE:
+            child = node.get(key)
+            if isinstance(child, list):
+                out.extend(child)
+            elif isinstance(child, dict) and key == "dependentSchemas":
+                out.extend(child.values())
+            elif child is not None:
+                out.append(child)
+        return out
+
+    done: set[int] = set()
+    for start in [schema, *targets.values()]:
+        if id(start) in done:
+            continue
+        path: set[int] = {id(start)}
+        stack = [(start, iter(in_place(start)))]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                path.discard(id(node))
+                done.add(id(node))
+                continue
+            if id(child) in path:
+                raise InvalidRequest("schema $ref refers back to itself without descending into "
+                                     "the value (as {'$ref': '#'} does): checking the output "
+                                     "against it would never end", param="response_format")
+            if id(child) not in done:
+                path.add(id(child))
+                stack.append((child, iter(in_place(child))))
 
 
 def _validator(schema: dict[str, object]) -> Any:

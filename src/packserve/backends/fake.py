@@ -5,6 +5,8 @@ reranks by word overlap and echoes prompts. Tests steer it through a shared `Fak
 across processes, with directives in the text it is given (fault injection, never in a real
 engine): `@@sleep=S` takes S seconds (a stream yields a word every 0.1 s meanwhile) and
 `@@signal=NAME` sends itself that signal (`SEGV`, `ILL`, `ABRT`, `KILL`), as a native crash would.
+A `FakeControl(directives=False)` ignores them, so that text from a fuzzer can never stop the
+process that runs it (tests/api/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _out_of_memory(name: str) -> Exception:
 @dataclass
 class FakeControl:
     """Shared knobs: block loads (and unloads) until released, fail the next N loads with
-    `failure(name)` (out of memory unless a test says otherwise), count loads and unloads."""
+    `failure(name)` (out of memory unless a test says otherwise), count loads and unloads,
+    obey the `@@` directives in texts or not (`directives`)."""
 
     gate: threading.Event = field(default_factory=threading.Event)
     unload_gate: threading.Event = field(default_factory=threading.Event)
@@ -51,6 +54,7 @@ class FakeControl:
     loads: dict[str, int] = field(default_factory=dict)
     unloads: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    directives: bool = True
 
     def __post_init__(self) -> None:
         self.gate.set()
@@ -90,11 +94,15 @@ class FakeBackend(Backend):
     def weight_bytes(self) -> int:
         return declared_bytes(self.spec) if self._loaded else 0
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(t.split()) for t in texts]
+
     def embed(self, texts: Sequence[str]) -> Embeddings:
         import numpy as np
 
-        for t in texts:
-            _directives(t, None)
+        if self.control.directives:
+            for t in texts:
+                _directives(t, None)
         rows = [np.frombuffer(hashlib.sha256(t.encode()).digest(), dtype=np.uint8)[:8]
                 for t in texts]
         return Embeddings(vectors=np.asarray(rows, dtype=np.float32) / 255.0,
@@ -111,7 +119,8 @@ class FakeBackend(Backend):
 
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
-        _directives(prompt, on_text)
+        if self.control.directives:
+            _directives(prompt, on_text)
         words = prompt.split()[: params.max_tokens or None]
         for w in words:
             if on_text is not None and not on_text(w + " "):

@@ -78,6 +78,10 @@ class LlamaCppBackend(Backend):
     def weight_bytes(self) -> int:
         return int(self._llm._model.size()) if self._llm is not None else 0
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self._llm.tokenize(t.encode("utf-8"), add_bos=False, special=False))
+                for t in texts]
+
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
         wire = [{"role": m.role, "content": m.content} for m in messages]

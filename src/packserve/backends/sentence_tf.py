@@ -6,6 +6,7 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,14 @@ _MAX_CHARS_PER_TOKEN = 32
 
 class _TorchBackend(Backend):
     _model: Any = None
+
+    def __post_init__(self) -> None:
+        # One tokenizer per load, shared by every name that uses it (an embedder and a
+        # reranker), and it keeps its padding setting as shared state: a call that tokenizes
+        # without padding while another thread encodes with it makes that batch fail
+        # (huggingface/transformers#47085; `packserve bench soak` found it as rerank 500s).
+        # Calls into one load are serialised; the embedding batcher merges the waiting ones.
+        self._lock = threading.Lock()
 
     def prepare(self) -> None:
         SENTENCE_TRANSFORMERS.prepare()  # torch, transformers: seconds, ~400 MiB
@@ -60,6 +69,11 @@ class _TorchBackend(Backend):
     def _max_tokens(self) -> int:
         return int(self._model.max_seq_length or self._model.tokenizer.model_max_length)
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        with self._lock:
+            ids = self._model.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            return [len(row) for row in ids]
+
     def _count_tokens(self, texts: Sequence[str], what: str) -> list[int]:
         limit = self._max_tokens()
         for i, text in enumerate(texts):
@@ -89,21 +103,23 @@ class SentenceTransformerBackend(_TorchBackend):
     def embed(self, texts: Sequence[str]) -> Embeddings:
         import numpy as np
 
-        tokens = self._count_tokens(texts, "input")
-        vectors = self._model.encode(list(texts), batch_size=self.spec.max_batch,
-                                     convert_to_numpy=True, show_progress_bar=False)
-        return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
+        with self._lock:
+            tokens = self._count_tokens(texts, "input")
+            vectors = self._model.encode(list(texts), batch_size=self.spec.max_batch,
+                                         convert_to_numpy=True, show_progress_bar=False)
+            return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         import numpy as np
 
-        tokens = sum(self._count_tokens([query], "query")) + sum(
-            self._count_tokens(documents, "documents"))
-        vectors = self._model.encode([query, *documents], batch_size=self.spec.max_batch,
-                                     convert_to_numpy=True, normalize_embeddings=True,
-                                     show_progress_bar=False)
-        scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
-        return Ranking(scores=[float(s) for s in scores], tokens=tokens)
+        with self._lock:
+            tokens = sum(self._count_tokens([query], "query")) + sum(
+                self._count_tokens(documents, "documents"))
+            vectors = self._model.encode([query, *documents], batch_size=self.spec.max_batch,
+                                         convert_to_numpy=True, normalize_embeddings=True,
+                                         show_progress_bar=False)
+            scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
+            return Ranking(scores=[float(s) for s in scores], tokens=tokens)
 
 
 class CrossEncoderBackend(_TorchBackend):
@@ -119,11 +135,13 @@ class CrossEncoderBackend(_TorchBackend):
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         import numpy as np
 
-        tokens = sum(self._count_tokens([query], "query")) + sum(
-            self._count_tokens(documents, "documents"))
-        scores = self._model.predict([(query, d) for d in documents],
-                                     batch_size=self.spec.max_batch, show_progress_bar=False)
-        return Ranking(scores=[float(s) for s in np.asarray(scores).reshape(-1)], tokens=tokens)
+        with self._lock:
+            tokens = sum(self._count_tokens([query], "query")) + sum(
+                self._count_tokens(documents, "documents"))
+            scores = self._model.predict([(query, d) for d in documents],
+                                         batch_size=self.spec.max_batch, show_progress_bar=False)
+            flat = np.asarray(scores).reshape(-1)
+            return Ranking(scores=[float(s) for s in flat], tokens=tokens)
 
 
 def _size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:

@@ -1,5 +1,6 @@
-"""`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers, and the
-front/worker split (reliability: memory, crash recovery, the hop, drain).
+"""`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers, the
+front/worker split (reliability: memory, crash recovery, the hop, drain) and a soak (memory,
+descriptors and threads under mixed traffic with evictions, from several API keys).
 
 One module per scenario; each has `run(Options) -> Report`. This module parses the command
 line, runs the scenarios, and writes the JSON results, the plots and the Markdown table.
@@ -17,7 +18,7 @@ from pathlib import Path
 from packserve.bench.common import Options, console, write_results
 from packserve.bench.report import append_markdown
 
-SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability")
+SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers-dir", default=".venv-peers",
                         help="virtual environments of the peers (infinity/, llama/)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead, reliability: ABAB rounds")
-    parser.add_argument("--duration", type=float, default=120.0,
-                        help="trace: seconds of arrivals per policy")
+    parser.add_argument("--duration", type=float,
+                        help="trace: seconds of arrivals per policy (default 120); soak: seconds "
+                        "of traffic (default 600)")
     parser.add_argument("--rate", type=float, default=1.5, help="trace: mean requests/s")
     parser.add_argument("--alpha", type=float, default=0.9, help="trace: Zipf exponent")
     parser.add_argument("--cv", type=float, default=1.0,
@@ -52,7 +54,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     docs = Path(args.docs) if args.docs else (out / "benchmarks.md" if args.quick
                                                else Path("docs/benchmarks.md"))
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
-                                                 "budget_fraction", "seed", "slo")}
+                                                 "budget_fraction", "seed", "slo")
+             if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,
                    extra=extra)

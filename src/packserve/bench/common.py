@@ -137,12 +137,14 @@ def catalog_models_toml() -> str:
 
 
 def write_config(path: Path, opts: Options, *, memory_budget: str = "auto",
-                 headroom: str = "256MiB", log_level: str = "warning") -> Path:
-    """A config with the built-in catalog, `opts.data_dir` and an explicit budget and headroom."""
+                 headroom: str = "256MiB", log_level: str = "warning",
+                 keys_file: str = "") -> Path:
+    """A config with the built-in catalog, `opts.data_dir` and an explicit budget and headroom
+    (and API keys from `keys_file`, relative to `path`'s folder, when given)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f'[server]\ndata_dir = "{opts.data_dir}"\nlog_level = "{log_level}"\n'
-        f"load_wait_s = 300\n\n"
+        f'load_wait_s = 300\nkeys_file = "{keys_file}"\n\n'
         f'[devices.cpu]\nmemory_budget = "{memory_budget}"\nheadroom = "{headroom}"\n\n'
         + catalog_models_toml(), "utf-8")
     return path
@@ -302,7 +304,8 @@ def model_path(name: str, opts: Options) -> Path:
     itself must stay a plain HTTP client.
     """
     code = ("import sys; from pathlib import Path; from packserve.sources import resolve_source; "
-            "print(resolve_source(sys.argv[1], base_dir=Path.cwd(), models_dir=Path(sys.argv[2])))")
+            "print(resolve_source(sys.argv[1], base_dir=Path.cwd(), models_dir=Path(sys.argv[2]), "
+            "roots=None))")
     out = subprocess.run([sys.executable, "-c", code, SOURCES[name], str(opts.data_dir / "models")],
                          capture_output=True, text=True, check=True)
     return Path(out.stdout.strip().splitlines()[-1])

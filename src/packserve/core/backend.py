@@ -8,7 +8,8 @@ Who calls what, and when:
   methods and nothing of the lifecycle; they call it in a worker thread (never on the event
   loop) and may assume `load()` has returned and `unload()` has not started.
 - A backend that serves several tasks or several catalog names (shared weights) must tolerate
-  concurrent task calls; llama.cpp's backend serialises them with its own lock.
+  concurrent task calls; llama.cpp's and sentence-transformers' backends serialise them
+  with their own lock (one context; one tokenizer with shared padding state).
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ class Backend:
         """Bytes of tensors the engine holds now; a floor for the measured footprint."""
         raise NotImplementedError
 
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text as this engine reads it (no special tokens, no template).
+        Called in a worker thread, only for models with a `max_input_tokens` limit."""
+        raise TaskNotSupported(f"{self.name} cannot count tokens")
+
     def embed(self, texts: Sequence[str]) -> Embeddings:
         raise TaskNotSupported(f"{self.name} cannot embed")
 
@@ -156,6 +162,9 @@ class Runner:
     def max_batch(self) -> int:
         """The most inputs one embedding call should take."""
         return self._backend.spec.max_batch
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return self._backend.count_tokens(texts)
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
         return self._backend.embed(texts)

@@ -1178,6 +1178,10 @@ class Scheduler:
     def model_names(self) -> list[str]:
         return list(self._models)
 
+    def spec_of(self, name: str) -> ModelSpec:
+        """The catalog entry of `name`. Raises ModelNotFound."""
+        return self._model(name).spec
+
     def tasks_of(self, name: str) -> tuple[Task, ...]:
         return tuple(self._model(name).spec.tasks)
 

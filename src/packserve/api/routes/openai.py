@@ -12,7 +12,7 @@ from packserve.api.access import may_call
 from packserve.api.calls import Generate
 from packserve.api.generation import ChatCompletion, TextCompletion, answer
 from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingRequest
-from packserve.api.services import ServicesDep
+from packserve.api.services import Inputs, ServicesDep
 from packserve.api.structured import check_json, response_format
 from packserve.core.backend import Generated, GenerationParams, OnText, Runner
 from packserve.core.backend import Message as ChatTurn
@@ -32,7 +32,7 @@ async def models(s: ServicesDep) -> dict[str, Any]:
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, s: ServicesDep) -> JSONResponse:
-    async with s.lease(body.model, Task.EMBED) as call:
+    async with s.lease(body.model, Task.EMBED, Inputs(body.texts)) as call:
         out = await call.embed(body.texts)
     data = []
     for i, vec in enumerate(out.vectors):
@@ -49,8 +49,10 @@ async def embeddings(body: EmbeddingRequest, s: ServicesDep) -> JSONResponse:
 @router.post("/v1/chat/completions", response_model=None)
 async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingResponse:
     schema, json_mode = response_format(body)
+    asked, param = ((body.max_completion_tokens, "max_completion_tokens")
+                    if body.max_completion_tokens else (body.max_tokens, "max_tokens"))
     params = GenerationParams(
-        max_tokens=body.max_completion_tokens or body.max_tokens,
+        max_tokens=s.max_tokens(body.model, asked, param),
         temperature=body.temperature, top_p=body.top_p, stop=body.stops, seed=body.seed,
         json_schema=schema, json_object=json_mode)
     turns = [ChatTurn("system" if m.role == "developer" else m.role, m.text)
@@ -63,20 +65,25 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
         if (schema is not None or json_mode) and out.finish_reason == "stop":
             check_json(out.text, schema, body.model)
 
-    return await answer(s, ChatCompletion(body.model), Task.CHAT, [run], check=check,
-                        stream=body.stream, include_usage=body.include_usage)
+    inputs = Inputs([m.text for m in body.messages], "messages")
+    return await answer(s, ChatCompletion(body.model), Task.CHAT, [run], inputs=inputs,
+                        check=check, stream=body.stream, include_usage=body.include_usage)
 
 
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, s: ServicesDep
                       ) -> dict[str, Any] | StreamingResponse:
-    params = GenerationParams(max_tokens=body.max_tokens, temperature=body.temperature,
+    asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    params = GenerationParams(max_tokens=s.max_tokens(body.model, asked,
+                                                      default=body.max_tokens),
+                              temperature=body.temperature,
                               top_p=body.top_p, stop=body.stops, seed=body.seed)
     if body.stream and len(body.prompts) != 1:
         raise InvalidRequest("streaming takes one prompt", param="prompt")
     jobs = [_complete(prompt, params) for prompt in body.prompts]
     return await answer(s, TextCompletion(body.model), Task.COMPLETE, jobs,
-                        stream=body.stream, include_usage=body.include_usage)
+                        inputs=Inputs(body.prompts, "prompt"), stream=body.stream,
+                        include_usage=body.include_usage)
 
 
 def _complete(prompt: str, params: GenerationParams) -> Generate:

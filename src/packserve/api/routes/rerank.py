@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from packserve.api.schemas import RerankRequest
-from packserve.api.services import ServicesDep
+from packserve.api.services import Inputs, ServicesDep
 from packserve.types import Task
 
 router = APIRouter()
@@ -16,7 +16,8 @@ router = APIRouter()
 
 async def rerank(body: RerankRequest, s: ServicesDep) -> dict[str, Any]:
     docs = body.texts
-    async with s.lease(body.model, Task.RERANK) as call:
+    async with s.lease(body.model, Task.RERANK,
+                       Inputs(docs, "documents", also=[body.query])) as call:
         out = await call.rerank(body.query, docs)
     order = sorted(range(len(docs)), key=lambda i: out.scores[i], reverse=True)
     results = []
