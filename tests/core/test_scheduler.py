@@ -8,6 +8,7 @@ loads through a fresh `FakeControl`, and waits on events or loop state with time
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 
@@ -583,3 +584,24 @@ def test_a_lower_reading_on_reload_does_not_shrink_the_counted_footprint() -> No
         await h.scheduler.close()
 
     run(body())
+
+
+def test_the_footprint_store_answers_the_median_of_recent_measurements(tmp_path: Path) -> None:
+    path = tmp_path / "f.json"
+    load = entry("m").load
+    store = FootprintStore(path)
+    for mib in (100, 100, 400):  # one reading taken next to busy requests
+        store.put(load, mib * MIB)
+    assert store.get(load) == 100 * MIB
+    assert FootprintStore(path).get(load) == 100 * MIB  # across a restart too
+    for mib in (400, 400, 400):  # it really grew: the last five are what counts
+        store.put(load, mib * MIB)
+    assert store.get(load) == 400 * MIB
+    assert json.loads(path.read_text("utf-8"))[load.key]["history"] == [
+        100 * MIB, 400 * MIB, 400 * MIB, 400 * MIB, 400 * MIB]
+    # a row written before histories were kept is read, then replaced by new readings
+    path.write_text(json.dumps({load.key: {"bytes": 999 * MIB, "file_bytes": -1}}), "utf-8")
+    old = FootprintStore(path)
+    assert old.get(load) == 999 * MIB
+    old.put(load, 120 * MIB)
+    assert old.get(load) == 120 * MIB

@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import tempfile
 import threading
 import time
@@ -55,7 +56,7 @@ from collections.abc import (
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from packserve.config import ModelSpec
 from packserve.core.backend import Backend, BackendFactory, LoadSpec, Runner
@@ -234,6 +235,7 @@ class _Resident:
     models: list[str]  # the catalog names that use these weights now
     estimated: int
     measured: int | None = None
+    peak_here: int | None = None  # the largest footprint measured by this process
     state: State = State.COLD
     backend: Backend | None = None  # the lifecycle: only the scheduler holds it
     runner: Runner | None = None  # what leases lend while HOT; one per load
@@ -288,15 +290,23 @@ class _PinRetry:
     next_at: float  # scheduler clock
 
 
+FOOTPRINT_HISTORY = 5  # measurements per load the footprint store keeps
+
+
 class FootprintStore:
     """Measured footprints kept across restarts, keyed by `LoadSpec.key` and the file's size.
 
-    `put` is called from load threads, for loads on several devices at once.
+    Each load is measured as the growth of the process while it runs, so a load next to busy
+    requests reads high and one that reuses freed heap reads low. The store keeps the last
+    FOOTPRINT_HISTORY measurements and answers their median: one odd reading moves nothing,
+    and a figure that was once inflated does not stay so across restarts (`bench soak` saw a
+    keep-the-largest rule drift Gemma from 319 to 403 MiB). `put` is called from load threads,
+    for loads on several devices at once.
     """
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
-        self._data: dict[str, dict[str, int]] = {}
+        self._data: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # guards `_data` and the file
         if path is not None and path.exists():
             try:
@@ -311,11 +321,17 @@ class FootprintStore:
         return int(row["bytes"])
 
     def put(self, spec: LoadSpec, measured: int) -> None:
-        """Remember `measured` and save the file. A failed save (full disk, read-only data dir)
-        is logged and otherwise ignored: the figure stays known to this process, and the load
-        that measured it stays good."""
-        row = {"bytes": measured, "file_bytes": _size_of(spec.path)}
+        """Add `measured` to the load's history and save the file. A failed save (full disk,
+        read-only data dir) is logged and otherwise ignored: the figure stays known to this
+        process, and the load that measured it stays good."""
+        file_bytes = _size_of(spec.path)
         with self._lock:
+            old = self._data.get(spec.key) or {}
+            history = old.get("history") if old.get("file_bytes") == file_bytes else None
+            recent = [*(history if isinstance(history, list) else []), measured]
+            recent = recent[-FOOTPRINT_HISTORY:]
+            row: dict[str, Any] = {"bytes": int(statistics.median_high(recent)),
+                                   "history": recent, "file_bytes": file_bytes}
             self._data[spec.key] = row
             if self._path is None:
                 return
@@ -772,14 +788,16 @@ class Scheduler:
         self._emit(LoadStartEvent(model=res.label, device=device))
         backend, measured = await self._run(build)
         seconds = self._clock() - t0
-        # Keep the largest figure seen for these weights: a reload in a long-lived process can
-        # reuse heap pages that trimming could not return and read low (seen: SmolLM2 139 MiB
-        # against 156-160 on a fresh heap); under-counting would let the budget be exceeded.
-        measured = max(measured, res.measured or 0)
-        try:
+        try:  # the raw reading: the store keeps a median of recent ones across restarts
             await self._run(self._store.put, res.load, measured)
         except Exception:  # the store logs its own write failures; no store fault fails a load
             log.exception("could not record the footprint of %s", res.label)
+        # Within this process, keep the largest figure seen for these weights: a reload in a
+        # long-lived process can reuse heap pages that trimming could not return and read low
+        # (seen: SmolLM2 139 MiB against 156-160 on a fresh heap); under-counting would let the
+        # budget be exceeded.
+        measured = max(measured, res.peak_here or 0)
+        res.peak_here = measured
         res.measured = measured
         cap = self._memory_cap(res)
         if cap is not None and measured > cap:
