@@ -23,6 +23,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
+import logging
 import math
 import os
 import re
@@ -38,6 +39,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from packserve.errors import ConfigError, RateLimited
+
+log = logging.getLogger("packserve.auth")
 
 KEY_PREFIX = "psk-"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -173,6 +176,9 @@ class KeyRing:
                     f"cannot read keys file {self.path}: {exc.strerror}"
                 if strict:
                     raise ConfigError(message) from exc
+                if message != self.error:  # once per problem, not on every re-check
+                    log.warning("keys file not reloaded; the keys read before stay in force: %s",
+                                message)
                 self.error = message
                 return False
             self._stamp, self._keys, self.error = stamp, keys, None

@@ -134,7 +134,8 @@ def wait_for(check: Callable[[], bool]) -> None:
         time.sleep(0.1)
 
 
-def test_keys_are_added_and_revoked_without_a_restart(tmp_path: Path) -> None:
+def test_keys_are_added_and_revoked_without_a_restart(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "keys.toml"
     first = auth.mint(path, "first", ["*"], admin=False)
     with serve(config_from(tmp_path, keyed_config_text(path))) as running, \
@@ -151,6 +152,8 @@ def test_keys_are_added_and_revoked_without_a_restart(tmp_path: Path) -> None:
         path.write_text(path.read_text() + "\n[[keys]]\nname = ", "utf-8")
         time.sleep(auth.RECHECK_S * 1.5)
         assert c.post("/v1/embeddings", json=body, headers=bearer(second)).status_code == 200
+        assert any("keys file not reloaded" in r.getMessage() and "not valid TOML" in r.getMessage()
+                   for r in caplog.records if r.name == "packserve.auth")
 
 
 def test_operator_views_can_be_open(tmp_path: Path) -> None:
