@@ -55,23 +55,22 @@ class Services:
             raise InvalidRequest(f"model {model!r} takes at most {spec.max_inputs} texts per "
                                  f"request (its max_inputs); this one has {len(inputs.texts)}",
                                  param=inputs.param)
-        if caller is None:
-            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get()) as lease:
-                await _check_input_tokens(lease, spec, inputs)
-                yield Call(lease, self.batchers)
-            return
-        self.limits.admit(caller)  # RateLimited (429) before the request takes a model slot
+        if caller is not None:
+            self.limits.admit(caller)  # RateLimited (429) before the request takes a slot
         used = 0
         try:
-            async with self.scheduler.acquire(model, task, request_id=REQUEST_ID.get(),
-                                              key=caller.name, weight=caller.weight) as lease:
+            async with self.scheduler.acquire(
+                    model, task, request_id=REQUEST_ID.get(),
+                    key=caller.name if caller else "",
+                    weight=caller.weight if caller else 1.0) as lease:
                 try:
                     await _check_input_tokens(lease, spec, inputs)
                     yield Call(lease, self.batchers)
                 finally:
                     used = lease.prompt_tokens + lease.completion_tokens
         finally:
-            self.limits.release(caller, used)
+            if caller is not None:
+                self.limits.release(caller, used)
 
     def spec_of(self, model: str) -> ModelSpec:
         """The catalog entry of `model`, if the request being served may call it."""
