@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -48,6 +49,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ps = sub.add_parser("ps", help="print the residency table of a running server")
     ps.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+    ps.add_argument("--pool", action="store_true",
+                    help="the server is a pool's entry point: one table per replica")
+    ps.add_argument("--api-key", help="an admin key, when the server has keys (or "
+                    "PACKSERVE_API_KEY)")
+
+    pool = sub.add_parser("pool", help="serve a pool of packserve replicas on Ray Serve "
+                          "(pip install packserve[pool])")
+    pool.add_argument("--config", help="TOML config file with a [pool] section "
+                      "(default: the built-in catalog, two replicas on a local Ray)")
+    pool.add_argument("--host", help="entry point address (default 127.0.0.1)")
+    pool.add_argument("--port", type=int, help="entry point port (default 8000)")
+    pool.add_argument("--memory-budget", help="each replica's budget for every device")
+    pool.add_argument("--address", help="Ray cluster address (default: the config's "
+                      "pool.address; empty starts a local Ray)")
+    pool.add_argument("--open-to-anyone", action="store_true",
+                      help="listen on a non-local --host without API keys")
 
     # `plan` and `audit` live in their own modules (packserve.planner.cli, packserve.audit).
     from packserve import audit
@@ -72,7 +89,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "keys":
         return _keys(args)
-    return _ps(args.url)
+    if args.command == "pool":
+        return _pool(args)
+    return _ps(args)
+
+
+def _pool(args: argparse.Namespace) -> int:
+    from packserve.auth import KeyRing
+    from packserve.config import load_config
+
+    try:
+        config = load_config(args.config, host=args.host, port=args.port,
+                             memory_budget=args.memory_budget,
+                             open_to_anyone=args.open_to_anyone)
+        if args.address is not None:
+            config = config.model_copy(update={
+                "pool": config.pool.model_copy(update={"address": args.address})})
+        keys = KeyRing(config.keys_path) if config.keys_path is not None else None
+    except ConfigError as exc:
+        print(f"packserve: {exc.message}", file=sys.stderr)
+        return 2
+    configure_logging(config.server.log_level)
+    try:
+        from packserve.pool.run import run_pool
+    except ImportError as exc:
+        print(f"packserve pool needs Ray Serve: pip install 'packserve[pool]' ({exc})",
+              file=sys.stderr)
+        return 2
+    return run_pool(config, keys)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -158,17 +202,28 @@ def configure_logging(level: str) -> None:
     handler.setFormatter(logging.Formatter("%(message)s"))
     events.addHandler(handler)
     events.propagate = False
+    # httpx logs every request at INFO: the front's to its worker, a pool replica's to its node.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _ps(url: str) -> int:
-    base = url.rstrip("/")
-    try:
-        data = httpx.get(f"{base}/v1/residency", timeout=10).json()
-        summary = httpx.get(f"{base}/v1/metrics/summary", timeout=10).json()
-    except httpx.HTTPError as exc:
-        print(f"packserve ps: cannot reach {url}: {exc}", file=sys.stderr)
-        return 1
+def _ps(args: argparse.Namespace) -> int:
+    import os
+
+    base = args.url.rstrip("/")
+    key = args.api_key or os.environ.get("PACKSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     console = Console(width=None if sys.stdout.isatty() else 200)
+    try:
+        if args.pool:
+            return _ps_pool(console, httpx.get(f"{base}/v1/pool", headers=headers,
+                                               timeout=10).raise_for_status().json())
+        data = httpx.get(f"{base}/v1/residency", headers=headers,
+                         timeout=10).raise_for_status().json()
+        summary = httpx.get(f"{base}/v1/metrics/summary", headers=headers,
+                            timeout=10).raise_for_status().json()
+    except httpx.HTTPError as exc:
+        print(f"packserve ps: cannot read {args.url}: {exc}", file=sys.stderr)
+        return 1
     for d in summary["devices"]:
         console.print(
             f"[bold]{d['name']}[/]: {format_bytes(d['used_bytes'], compact=True)} used of "
@@ -194,6 +249,26 @@ def _ps(url: str) -> int:
                       f"{m['load_seconds']:.2f}" if m["load_seconds"] else "-",
                       m["error"] or "")
     console.print(table)
+    return 0
+
+
+def _ps_pool(console: Console, pool: dict[str, Any]) -> int:
+    """One table per replica of a pool (GET /v1/pool on its entry point)."""
+    console.print(f"[bold]{len(pool['replicas'])} replicas[/]")
+    for rep in pool["replicas"]:
+        devices = "; ".join(
+            f"{d['name']} {format_bytes(d['used_bytes'], compact=True)} used of "
+            f"{format_bytes(d['budget_bytes'], compact=True)}" for d in rep["devices"])
+        console.print(f"[bold]replica {rep['replica']}[/] ({rep['group']}, node "
+                      f"{rep['node'][:12]}): {devices or 'no report yet'}")
+        table = Table("MODEL", "STATE", "PIN", "BYTES", "IN FLIGHT", "QUEUED", "LOAD S",
+                      "PLAN")
+        for m in rep["models"]:
+            table.add_row(m["name"], m["state"], "yes" if m["pinned"] else "",
+                          format_bytes(m["bytes"], compact=True), str(m["in_flight"]),
+                          str(m["queued"]), f"{m['load_s']:.2f}" if m["load_s"] else "-",
+                          m["verdict"])
+        console.print(table)
     return 0
 
 

@@ -65,6 +65,7 @@ class ServerConfig(_Strict):
     failure_cooldown_s: float = Field(default=30.0, ge=0)
     max_request_bytes: Bytes = 4 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = True  # one line per HTTP request (a pool's replicas turn it off)
     currency: str = Field(default="EUR", min_length=1, max_length=8)
     metrics_window_s: float = Field(default=300.0, gt=0)
     # SIGTERM: requests in flight get this long to finish (under Kubernetes' 30 s grace period).
@@ -179,12 +180,74 @@ class ModelSpec(_Strict):
         return self.max_concurrency or backends.get(self.backend).default_concurrency
 
 
+class PoolGroup(_Strict):
+    """`[[pool.dedicated]]`: replicas that serve only these models and nothing else."""
+
+    models: list[str] = Field(min_length=1)
+    min_replicas: int = Field(default=1, ge=1, le=1024)
+    max_replicas: int = Field(default=1, ge=1, le=1024)
+
+
+class PoolConfig(_Strict):
+    """`[pool]`: read by `packserve pool` only (packserve.pool); `packserve serve` ignores it.
+
+    Every replica is a whole packserve node serving `[[models]]` (less the dedicated ones) on
+    the budgets of `[devices.*]`; the entry point listens on `server.host`/`server.port` and
+    holds the keys of `server.keys_file`.
+    """
+
+    # Ray cluster: "" starts one on this machine, "auto" joins the one this machine is in,
+    # or "ray://HOST:10001" / "HOST:6379".
+    address: str = ""
+    min_replicas: int = Field(default=2, ge=1, le=1024)
+    max_replicas: int = Field(default=2, ge=1, le=1024)
+    # Scale out when the pool's requests in flight and queued exceed this per replica.
+    target_queue: float = Field(default=8.0, gt=0)
+    # What each replica asks Ray for: CPUs, GPUs and custom resources (one GPU: one node).
+    replica_cpus: float = Field(default=1.0, ge=0)
+    replica_gpus: float = Field(default=0.0, ge=0)
+    replica_resources: dict[str, float] = Field(default_factory=dict)
+    # How often each replica reports what it holds to the router.
+    stats_period_s: float = Field(default=0.5, gt=0, le=60)
+    # One more copy: a model whose queue stays above copy_queue_depth on every replica that
+    # holds it, for copy_after_s, is sent to one more replica. An extra copy idle for
+    # copy_idle_s is unloaded (the last copy stays).
+    copy_queue_depth: int = Field(default=4, ge=1)
+    copy_after_s: float = Field(default=5.0, ge=0)
+    copy_idle_s: float = Field(default=120.0, gt=0)
+    # How the entry point picks a replica: packserve's residency-aware router, Ray Serve's own
+    # multiplexed routing ("ray"), or round robin (the last two are baselines for bench pool).
+    router: Literal["packserve", "ray", "round_robin"] = "packserve"
+    # With router = "ray": the models Ray Serve's multiplexing keeps per replica (it counts
+    # models, not bytes; packserve's scheduler still holds each node to its budget).
+    ray_models_per_replica: int = Field(default=3, ge=1, le=1024)
+    # Embeddings and rerank lost with a dead replica are sent again this many times.
+    retries: int = Field(default=2, ge=0, le=10)
+    dedicated: list[PoolGroup] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolConfig:
+        for where, group in [("pool", self), *((f"pool.dedicated[{i}]", g)
+                                               for i, g in enumerate(self.dedicated))]:
+            if group.max_replicas < group.min_replicas:
+                raise ValueError(f"{where}: max_replicas ({group.max_replicas}) is below "
+                                 f"min_replicas ({group.min_replicas})")
+        seen: set[str] = set()
+        for g in self.dedicated:
+            for name in g.models:
+                if name in seen:
+                    raise ValueError(f"model {name!r} is in two [[pool.dedicated]] groups")
+                seen.add(name)
+        return self
+
+
 class Config(_Strict):
     """The whole config. Build it with `load_config`."""
 
     server: ServerConfig = ServerConfig()
     devices: dict[str, DeviceConfig] = Field(default_factory=dict)
     models: list[ModelSpec] = Field(default_factory=list)
+    pool: PoolConfig = PoolConfig()  # `packserve pool` only
     base_dir: str = "."  # where relative `source` paths start; set by load_config
 
     @field_validator("devices")
@@ -202,6 +265,10 @@ class Config(_Strict):
             if m.name in seen:
                 raise ValueError(f"two models are named {m.name!r}; names must be unique")
             seen.add(m.name)
+        unknown = [n for g in self.pool.dedicated for n in g.models if n not in seen]
+        if unknown:
+            raise ValueError(f"[[pool.dedicated]] names {', '.join(unknown)}, not in "
+                             f"[[models]]")
         return self
 
     def device_config(self, device: str) -> DeviceConfig:
@@ -322,10 +389,10 @@ def _find_line(text: str, loc: tuple[int | str, ...]) -> int | None:
         else:
             return None
         keys = loc[2:]
-    elif head in ("server", "devices"):
-        target = f"[{head}]" if head == "server" else f"[devices.{loc[1]}]" if len(loc) > 1 else ""
+    elif head in ("server", "devices", "pool"):
+        target = f"[devices.{loc[1]}]" if head == "devices" and len(loc) > 1 else f"[{head}]"
         start = next((i for i, r in enumerate(rows) if r.strip() == target), 0)
-        keys = loc[1:] if head == "server" else loc[2:]
+        keys = loc[2:] if head == "devices" else loc[1:]
     else:
         keys = loc
     key = next((str(k) for k in keys if isinstance(k, str)), None)

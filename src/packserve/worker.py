@@ -160,6 +160,7 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
 
     server = uvicorn.Server(uvicorn.Config(
         app, uds=socket_path, log_level=config.server.log_level, lifespan="on",
+        access_log=config.server.access_log,
         # The front sends SIGTERM only once it has drained its own requests: what is left is
         # gone (its client too), so the worker shuts down at once and unloads its models.
         timeout_graceful_shutdown=2))

@@ -31,7 +31,7 @@ CALLER: ContextVar[Key | None] = ContextVar("packserve_caller", default=None)
 
 _OPEN = frozenset({"/healthz", "/readyz"})
 _VIEWS = frozenset({"/", "/metrics", "/v1/metrics/summary", "/v1/residency",
-                    "/v1/residency/plan", "/docs", "/docs/oauth2-redirect", "/openapi.json",
+                    "/v1/residency/plan", "/v1/residency/plans", "/docs", "/docs/oauth2-redirect", "/openapi.json",
                     "/redoc"})
 _ADMIN = re.compile(r"^/v1/residency/.+/(load|unload|pin|unpin)$|^/v1/admin/")
 

@@ -54,10 +54,10 @@ _event_log = logging.getLogger("packserve.events")
 
 # Headers that belong to one hop, not to the request or response being relayed. The client's
 # Host goes through, so that what the worker writes with it (a redirect) names this server.
-_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
+HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
                   b"upgrade", b"proxy-connection", b"content-length", b"expect"})
 # ...and what the front's own server adds to every response.
-_HOP_RESPONSE = _HOP | {b"date", b"server"}
+HOP_RESPONSE = HOP | {b"date", b"server"}
 _ADMIN_LOAD = re.compile(r"^/v1/residency/(?P<name>.+)/load$")
 # Keys read once when the worker or the front starts; a reload that changes them is refused.
 RESTART_KEYS = ("host", "port", "data_dir")
@@ -290,7 +290,7 @@ class _Call:
         self.target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         self.body = body
         self.rid = rid
-        self.headers = [(k, v) for k, v in request.headers.raw if k.lower() not in _HOP
+        self.headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP
                         and k.lower() != b"x-request-id"]
         self.headers.append((b"x-request-id", rid.encode("latin-1")))
         self.path = request.url.path
@@ -344,7 +344,7 @@ async def _send(front: Front, worker: Worker, call: _Call) -> Response:
     request = worker.client.build_request(call.method, call.target, headers=call.headers,
                                           content=call.body)
     upstream = await worker.client.send(request, stream=True)
-    headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _HOP_RESPONSE]
+    headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in HOP_RESPONSE]
     if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         stream = StreamingResponse(_relay(front, worker, call, upstream),
                                    status_code=upstream.status_code)
@@ -457,6 +457,7 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None,
     app = create_front_app(front)
     server = _FrontServer(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
+        access_log=config.server.access_log,
         lifespan="off", timeout_graceful_shutdown=2))
     loop = asyncio.get_running_loop()
     status = 0

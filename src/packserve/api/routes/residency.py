@@ -25,6 +25,16 @@ async def residency(s: ServicesDep) -> dict[str, Any]:
 
 @router.get("/v1/residency/plan")
 async def plan(model: str, s: ServicesDep) -> dict[str, Any]:
+    return _plan(model, s)
+
+
+@router.get("/v1/residency/plans")
+async def plans(s: ServicesDep) -> dict[str, Any]:
+    """The dry run for every model at once (a pool's router reads it every stats period)."""
+    return {"plans": [_plan(name, s) for name in s.scheduler.model_names()]}
+
+
+def _plan(model: str, s: Services) -> dict[str, Any]:
     answer = s.scheduler.plan(model)
     return {**asdict(answer), "model": model, "verdict": answer.verdict.value,
             "victims": list(answer.victims)}

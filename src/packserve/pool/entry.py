@@ -1,0 +1,469 @@
+"""The pool's entry point: one OpenAI-compatible door for every replica.
+
+The same routes, errors and clients as one packserve server. API keys, their model scopes and
+their limits are enforced here, once for the whole pool (replicas' nodes listen on loopback
+without keys). Each model request goes to its group's deployment handle, whose router
+(packserve.pool.router) picks the replica. Embeddings and rerank lost with a dead replica are
+sent again (`pool.retries`); a generation is not (it may not repeat): it gets a 503 that says
+so, or, once its stream has started, an error event and `[DONE]`.
+
+Views (`/v1/pool`, `/metrics`, `/`) show every replica; admin routes take `?replica=ID` to act
+on one replica, and otherwise load where the router would send a request and unload, pin or
+unpin on every replica of the model's group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from importlib import resources
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import RequestCancelledError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from packserve.api.access import CALLER, Authenticate, may_call
+from packserve.api.asgi import REQUEST_ID, BodyLimit, CancelOnDisconnect, RequestId, error_body
+from packserve.auth import KeyLimits, KeyRing
+from packserve.config import Config
+from packserve.errors import RateLimited
+from packserve.front.app import HOP
+from packserve.pool.app import SHARED, groups
+from packserve.pool.node import Relay, Reply
+from packserve.pool.router import ROUTERS
+from packserve.pool.routing import idle_copies
+
+log = logging.getLogger("packserve.pool")
+_event_log = logging.getLogger("packserve.events")
+
+_RETRY_SAFE = frozenset({"/v1/embeddings", "/v1/rerank"})
+_MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/completions")
+_LOST = (RayActorError, ActorUnavailableError)
+_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+_STATE_RANK = {"hot": 0, "loading": 1, "admitting": 2, "unloading": 3, "failed": 5}
+_STATUS_PAGE = (resources.files("packserve.pool") / "status.html").read_text("utf-8")
+
+
+class EntryMetrics:
+    """The entry point's own counters; /metrics adds every replica's, labelled by replica."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("packserve_pool_requests", "Model requests through the entry "
+                                "point, by model, replica and status", ["model", "replica",
+                                                                       "status"],
+                                registry=self.registry)
+        self.lost = Counter("packserve_pool_replica_lost", "Requests whose replica died under "
+                            "them, by model and what happened: retried elsewhere or failed",
+                            ["model", "outcome"], registry=self.registry)
+        self.copies_dropped = Counter("packserve_pool_copies_dropped", "Extra copies of a "
+                                      "model unloaded after copy_idle_s without requests",
+                                      ["model", "replica"], registry=self.registry)
+
+
+class Pool:
+    """What the entry point's routes share: the config, each group's handle, the keys."""
+
+    def __init__(self, config: Config, handles: Mapping[str, DeploymentHandle[Any]],
+                 keys: KeyRing | None = None) -> None:
+        self.config = config
+        self.handles = dict(handles)
+        self.keys = keys
+        self.limits = KeyLimits()
+        self.metrics = EntryMetrics()
+        self.groups = groups(config)
+        self.group_of = {m: g.name for g in self.groups for m in g.models}
+        self.default_group = SHARED if SHARED in self.handles else self.groups[0].name
+
+    def handle_for(self, model: str) -> DeploymentHandle[Any]:
+        return self.handles[self.group_of.get(model, self.default_group)]
+
+    def replicas(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(group, replica, last report) for every replica the routers know."""
+        out = []
+        for g in self.groups:
+            router = ROUTERS.get(g.name)
+            for replica, stats in (router.stats() if router else {}).items():
+                out.append((g.name, replica, stats))
+        return out
+
+    async def send(self, relay: Relay, group: str | None = None) -> Reply:
+        """One unary relay through the router (or to `relay.replica`)."""
+        handle = self.handles[group] if group else self.handle_for(relay.model)
+        if relay.model:
+            handle = handle.options(multiplexed_model_id=relay.model)
+        reply: Reply = await handle.relay.remote(relay)
+        return reply
+
+    async def start(self) -> None:
+        """Make each handle build its router (Ray Serve does it on first use): a /healthz
+        through every group, so the views know the replicas before the first request."""
+        for name in self.handles:
+            await self.send(Relay("GET", "/healthz", ()), name)
+
+    async def placement(self) -> None:
+        """Every stats period: unload extra copies idle for copy_idle_s (the last stays)."""
+        pool = self.config.pool
+        while True:
+            await asyncio.sleep(pool.stats_period_s)
+            for g in self.groups:
+                router = ROUTERS.get(g.name)
+                if router is None:
+                    continue
+                for replica, model in idle_copies(router.views(), time.time(),
+                                                  pool.copy_idle_s):
+                    relay = Relay("POST", f"/v1/residency/{model}/unload", (), b"",
+                                  replica=replica)
+                    try:
+                        reply = await self.send(relay, g.name)
+                    except Exception as exc:
+                        log.warning("dropping the idle copy of %s on %s failed: %s", model,
+                                    replica, exc)
+                        continue
+                    if reply.status == 200:
+                        self.metrics.copies_dropped.labels(model=model, replica=replica).inc()
+                        _event_log.info(json.dumps({
+                            "ts": round(time.time(), 3), "kind": "pool_copy_dropped",
+                            "model": model, "replica": replica,
+                            "idle_s": pool.copy_idle_s}, sort_keys=True))
+
+
+def create_entry_app(pool: Pool) -> ASGIApp:
+    """The entry point's ASGI app."""
+
+    async def model_request(request: Request) -> Response:
+        body = await request.body()
+        model, stream = _peek(body)
+        relay = _relay(request, body, model or "")
+        if model is None:  # not a JSON object naming a model: the node's own 400 says why
+            return _response(await pool.send(replace(relay, model=""), pool.default_group))
+        if not may_call(model) or (pool.keys is not None and model not in pool.group_of):
+            caller = CALLER.get()
+            visible = [m for m in pool.group_of if may_call(m)]
+            return _error(404, f"model {model!r} does not exist or you have no access to it; "
+                          f"key {caller.name if caller else ''!r} may call: "
+                          f"{', '.join(visible) or 'no model'}", "invalid_request_error",
+                          "model_not_found", param="model")
+        caller = CALLER.get()
+        if caller is not None:
+            try:
+                pool.limits.admit(caller)
+            except RateLimited as exc:
+                return _error(429, exc.message, "rate_limit_error", "rate_limited",
+                              retry_after=exc.retry_after_s)
+        release = _Release(pool, caller)
+        try:
+            if stream:
+                return await _stream(pool, relay, request.url.path, release)
+            reply = await _unary(pool, relay, request.url.path)
+            release.tokens = _tokens(reply.body) if isinstance(reply, Reply) else 0
+            return _response(reply) if isinstance(reply, Reply) else reply
+        finally:
+            release.done(final=not stream)
+
+    async def models(_: Request) -> JSONResponse:
+        best: dict[str, str] = {}
+        for _g, _r, stats in pool.replicas():
+            for name, m in stats.get("models", {}).items():
+                if _STATE_RANK.get(m["state"], 4) < _STATE_RANK.get(best.get(name, "cold"), 4):
+                    best[name] = m["state"]
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
+             "tasks": [t.value for t in m.tasks], "state": best.get(m.name, "cold")}
+            for m in pool.config.models if may_call(m.name)]})
+
+    async def view(_: Request) -> JSONResponse:
+        return JSONResponse(pool_view(pool))
+
+    async def residency(request: Request) -> Response:
+        replica = request.query_params.get("replica")
+        if replica:
+            return await addressed(request, replica)
+        if request.url.path == "/v1/residency":
+            return JSONResponse(pool_view(pool))
+        # the dry-run plan: every replica of the model's group
+        model = request.query_params.get("model", "")
+        group = pool.group_of.get(model, pool.default_group)
+        plans = {}
+        for g, r, _stats in pool.replicas():
+            if g == group:
+                reply = await pool.send(_relay(request, b"", "", replica=r), g)
+                plans[r] = json.loads(reply.body)
+        return JSONResponse({"model": model, "replicas": plans})
+
+    async def admin(request: Request) -> Response:
+        replica = request.query_params.get("replica")
+        if replica:
+            return await addressed(request, replica)
+        name, verb = request.path_params["name"], request.path_params["verb"]
+        if name not in pool.group_of:
+            return _error(404, f"model {name!r} is not in the pool's config",
+                          "invalid_request_error", "model_not_found")
+        group = pool.group_of[name]
+        if verb == "load":  # where a request would go
+            reply = await pool.send(replace(_relay(request, b"", ""), model=name), group)
+            return _response(reply)
+        answers = {}
+        for g, r, _stats in pool.replicas():
+            if g == group:
+                reply = await pool.send(_relay(request, b"", "", replica=r), g)
+                answers[r] = json.loads(reply.body)
+        return JSONResponse({"model": name, "replicas": answers})
+
+    async def addressed(request: Request, replica: str) -> Response:
+        group = next((g for g, r, _ in pool.replicas() if r == replica), None)
+        if group is None:
+            return _error(404, f"no replica {replica!r} in the pool (GET /v1/pool lists them)",
+                          "invalid_request_error", "replica_not_found")
+        body = await request.body()
+        return _response(await pool.send(_relay(request, body, "", replica=replica), group))
+
+    async def metrics(_: Request) -> Response:
+        texts = {}
+        for g, r, _stats in pool.replicas():
+            with contextlib.suppress(*_LOST, RequestCancelledError):
+                reply = await pool.send(Relay("GET", "/metrics", (), replica=r), g)
+                texts[r] = reply.body.decode("utf-8")
+        registry = CollectorRegistry()
+        registry.register(_Relabelled(texts))
+        return Response(generate_latest(registry) + generate_latest(pool.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    async def summary(_: Request) -> JSONResponse:
+        out = {}
+        for g, r, _stats in pool.replicas():
+            with contextlib.suppress(*_LOST, RequestCancelledError):
+                reply = await pool.send(Relay("GET", "/v1/metrics/summary", (), replica=r), g)
+                out[r] = json.loads(reply.body)
+        return JSONResponse({"replicas": out})
+
+    async def healthz(_: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "replicas": len(pool.replicas())})
+
+    async def readyz(_: Request) -> JSONResponse:
+        reported = {g for g, _r, stats in pool.replicas() if stats.get("models") is not None}
+        missing = [g.name for g in pool.groups if g.name not in reported]
+        if missing:
+            return JSONResponse({"status": "not_ready", "groups_without_replicas": missing},
+                                status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def status_page(_: Request) -> HTMLResponse:
+        return HTMLResponse(_STATUS_PAGE)
+
+    async def not_found(request: Request) -> Response:
+        return _error(404, f"no route {request.method} {request.url.path} on the pool's entry "
+                      f"point", "invalid_request_error", "not_found")
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = "request_too_large" if exc.status_code == 413 else str(exc.status_code)
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", code)
+
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("entry point failed: %s", exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None)
+
+    routes = [Route(p, model_request, methods=["POST"]) for p in _MODEL_ROUTES]
+    routes += [
+        Route("/", status_page, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/metrics/summary", summary, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/pool", view, methods=["GET"]),
+        Route("/v1/residency", residency, methods=["GET"]),
+        Route("/v1/residency/plan", residency, methods=["GET"]),
+        Route("/v1/residency/{name:path}/{verb:str}", admin, methods=["POST"]),
+        Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[
+            Middleware(Authenticate, keys=pool.keys, views=pool.config.server.operator_views),
+            Middleware(BodyLimit, max_bytes=pool.config.server.max_request_bytes),
+            Middleware(CancelOnDisconnect),
+        ],
+        exception_handlers={StarletteHTTPException: http_error, Exception: unexpected},
+    )
+    return RequestId(app)
+
+
+def pool_view(pool: Pool) -> dict[str, Any]:
+    """Every replica: its group, Ray node, devices and models, as last reported."""
+    return {"replicas": [
+        {"group": g, "replica": r, "node": stats.get("node", ""),
+         "reported_at": stats.get("at"), "devices": stats.get("devices", []),
+         "models": [{"name": name, **m} for name, m in stats.get("models", {}).items()]}
+        for g, r, stats in pool.replicas()]}
+
+
+class _Release:
+    """Gives a key's admitted request back to its limits once, with the tokens it used."""
+
+    def __init__(self, pool: Pool, caller: Any) -> None:
+        self.pool, self.caller, self.tokens, self.released = pool, caller, 0, False
+
+    def done(self, final: bool = True) -> None:
+        if final and not self.released and self.caller is not None:
+            self.released = True
+            self.pool.limits.release(self.caller, self.tokens)
+
+
+async def _unary(pool: Pool, relay: Relay, path: str) -> Reply | Response:
+    retries = pool.config.pool.retries if path in _RETRY_SAFE else 0
+    for attempt in range(retries + 1):
+        try:
+            reply = await pool.send(relay)
+        except _LOST as exc:
+            if attempt < retries:
+                pool.metrics.lost.labels(model=relay.model, outcome="retried").inc()
+                log.info("request %s (%s): its replica died (%s); sent again", REQUEST_ID.get(),
+                         relay.model, type(exc).__name__)
+                await asyncio.sleep(0.2 * (attempt + 1))
+                continue
+            pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
+            return _lost(relay.model, path, exc, attempt)
+        pool.metrics.requests.labels(model=relay.model, replica=reply.replica,
+                                     status=str(reply.status)).inc()
+        return reply
+    raise AssertionError("unreachable")
+
+
+def _lost(model: str, path: str, exc: BaseException, attempt: int) -> Response:
+    if path in _RETRY_SAFE:
+        why = f"it was sent {attempt + 1} times and each replica died"
+    else:
+        why = "a generation is not sent again because it may not repeat"
+    return _error(503, f"the pool replica serving model {model!r} died while running this "
+                  f"request ({type(exc).__name__}); {why}. Its models come up on another "
+                  f"replica at the next request", "model_unavailable", "replica_lost",
+                  retry_after=1)
+
+
+async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Response:
+    handle = pool.handle_for(relay.model).options(stream=True,
+                                                  multiplexed_model_id=relay.model)
+    gen = handle.relay_stream.remote(relay)
+    assert isinstance(gen, DeploymentResponseGenerator)
+    try:
+        head = await gen.__anext__()
+    except _LOST as exc:
+        pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
+        release.done()
+        return _lost(relay.model, path, exc, 0)
+    except BaseException:
+        release.done()
+        raise
+    assert isinstance(head, Reply)
+    pool.metrics.requests.labels(model=relay.model, replica=head.replica,
+                                 status=str(head.status)).inc()
+
+    async def body() -> AsyncIterator[bytes]:
+        tail = b"\n\n"
+        try:
+            async for chunk in gen:
+                assert isinstance(chunk, bytes)
+                tail = chunk[-2:]
+                if b'"total_tokens"' in chunk:
+                    release.tokens = _tokens(chunk)
+                yield chunk
+        except _LOST as exc:
+            pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
+            message = (f"the pool replica serving model {relay.model!r} died mid-stream "
+                       f"({type(exc).__name__}); a generation is not sent again")
+            payload = json.dumps(error_body(message, "model_unavailable", code="replica_lost"))
+            prefix = b"" if tail == b"\n\n" else b"\n\n"
+            yield prefix + f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            release.done()
+
+    response = StreamingResponse(body(), status_code=head.status)
+    response.raw_headers = [*head.headers, (b"x-packserve-replica", head.replica.encode())]
+    return response
+
+
+def _peek(body: bytes) -> tuple[str | None, bool]:
+    """The model a request body names and whether it asks for a stream; (None, False) for a
+    body that is not a JSON object with a string `model`."""
+    if body[:1] != b"{":
+        return None, False
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None, False
+    if not isinstance(value, dict) or not isinstance(value.get("model"), str):
+        return None, False
+    return value["model"], value.get("stream") is True
+
+
+def _tokens(body: bytes) -> int:
+    """A response's total_tokens (its usage comes last: the tail is searched first)."""
+    found = _TOTAL.findall(body[-1024:]) or _TOTAL.findall(body)
+    return int(found[-1]) if found else 0
+
+
+def _relay(request: Request, body: bytes, model: str, replica: str = "") -> Relay:
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    if replica:  # the node must not see the pool's own parameter
+        query = "&".join(f"{k}={v}" for k, v in request.query_params.multi_items()
+                         if k != "replica")
+        target = request.url.path + (f"?{query}" if query else "")
+    headers = tuple((k, v) for k, v in request.headers.raw
+                    if k.lower() not in HOP and k.lower() not in (b"authorization",
+                                                                  b"x-request-id"))
+    headers += ((b"x-request-id", REQUEST_ID.get().encode("latin-1")),)
+    return Relay(request.method, target, headers, body, model, replica)
+
+
+def _response(reply: Reply) -> Response:
+    response = Response(reply.body, status_code=reply.status)
+    response.raw_headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode()),
+                            (b"x-packserve-replica", reply.replica.encode())]
+    return response
+
+
+def _error(status: int, message: str, type_: str, code: str | None, *, param: str | None = None,
+           retry_after: float | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse(error_body(message, type_, param=param, code=code),
+                        status_code=status, headers=headers)
+
+
+class _Relabelled(Collector):
+    """Every replica's metrics, merged family by family, each sample labelled by replica."""
+
+    def __init__(self, texts: Mapping[str, str]) -> None:
+        self.texts = texts
+
+    def collect(self) -> list[Metric]:
+        families: dict[str, Metric] = {}
+        for replica, text in self.texts.items():
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type,
+                                        family.unit))
+                for s in family.samples:
+                    merged.add_sample(s.name, {"replica": replica, **s.labels}, s.value,
+                                      s.timestamp, s.exemplar)
+        return list(families.values())
