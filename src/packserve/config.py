@@ -1,6 +1,7 @@
 """The one reader of the config file, the built-in default catalog and the CLI overrides.
 
-A config is a TOML file with three parts: `[server]`, `[devices.NAME]` and `[[models]]`.
+A config is a TOML file with three parts: `[server]`, `[devices.NAME]` and `[[models]]`, and a
+fourth that only `packserve pool` reads: `[pool]`.
 Every key has a default (README.md lists them). A bad config is refused at start with the
 key, the line where it is, and the reason.
 """
@@ -201,8 +202,11 @@ class PoolConfig(_Strict):
     address: str = ""
     min_replicas: int = Field(default=2, ge=1, le=1024)
     max_replicas: int = Field(default=2, ge=1, le=1024)
-    # Scale out when the pool's requests in flight and queued exceed this per replica.
+    # Scale out when the pool's requests in flight and queued exceed this per replica, after
+    # upscale_delay_s above it; scale in after downscale_delay_s below it.
     target_queue: float = Field(default=8.0, gt=0)
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=60.0, ge=0)
     # What each replica asks Ray for: CPUs, GPUs and custom resources (one GPU: one node).
     replica_cpus: float = Field(default=1.0, ge=0)
     replica_gpus: float = Field(default=0.0, ge=0)
@@ -227,11 +231,13 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolConfig:
-        for where, group in [("pool", self), *((f"pool.dedicated[{i}]", g)
-                                               for i, g in enumerate(self.dedicated))]:
-            if group.max_replicas < group.min_replicas:
-                raise ValueError(f"{where}: max_replicas ({group.max_replicas}) is below "
-                                 f"min_replicas ({group.min_replicas})")
+        bounds = [("pool", self.min_replicas, self.max_replicas)]
+        bounds += [(f"pool.dedicated[{i}]", g.min_replicas, g.max_replicas)
+                   for i, g in enumerate(self.dedicated)]
+        for where, low, high in bounds:
+            if high < low:
+                raise ValueError(f"{where}: max_replicas ({high}) is below min_replicas "
+                                 f"({low})")
         seen: set[str] = set()
         for g in self.dedicated:
             for name in g.models:

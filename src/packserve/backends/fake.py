@@ -1,10 +1,13 @@
 """A fake engine with a declared footprint, for scheduler-policy and HTTP-shape tests only.
 
-In a config: `backend = "fake"`, `source = "fake:64MiB"` declares 64 MiB. It embeds by hashing,
-reranks by word overlap and echoes prompts. Tests steer it through a shared `FakeControl`, or,
-across processes, with directives in the text it is given (fault injection, never in a real
-engine): `@@sleep=S` takes S seconds (a stream yields a word every 0.1 s meanwhile) and
-`@@signal=NAME` sends itself that signal (`SEGV`, `ILL`, `ABRT`, `KILL`), as a native crash would.
+In a config: `backend = "fake"`, `source = "fake:64MiB"` declares 64 MiB, and
+`source = "fake:64MiB?load_s=1.5"` also declares that a load takes 1.5 s (the load thread
+sleeps). Two entries with the same source share one load, as two with the same weights would.
+It embeds by hashing, reranks by word overlap and echoes prompts. Tests steer it through a
+shared `FakeControl`, or, across processes, with directives in the text it is given (fault
+injection, never in a real engine; in an embedding input, a rerank query or a prompt):
+`@@sleep=S` takes S seconds (a stream yields a word every 0.1 s meanwhile) and `@@signal=NAME`
+sends itself that signal (`SEGV`, `ILL`, `ABRT`, `KILL`), as a native crash would.
 A `FakeControl(directives=False)` ignores them, so that text from a fuzzer can never stop the
 process that runs it (tests/api/test_fuzz.py).
 """
@@ -19,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import parse_qsl
 
 from packserve.core.backend import (
     Backend,
@@ -65,7 +69,23 @@ DEFAULT_CONTROL = FakeControl()
 
 
 def declared_bytes(spec: LoadSpec) -> int:
-    return parse_bytes(spec.path.name.removeprefix("fake:"))
+    """The size a fake source declares: `fake:SIZE` or `fake:SIZE?load_s=S`."""
+    return parse_bytes(_declared(spec)[0])
+
+
+def declared_load_s(spec: LoadSpec) -> float:
+    """The seconds a load of a fake source takes: its `load_s` (0 when not given)."""
+    return float(_declared(spec)[1].get("load_s", 0.0))
+
+
+def _declared(spec: LoadSpec) -> tuple[str, dict[str, str]]:
+    size, _, query = spec.path.name.removeprefix("fake:").partition("?")
+    options = dict(parse_qsl(query, keep_blank_values=True))
+    unknown = sorted(set(options) - {"load_s"})
+    if unknown:
+        raise ValueError(f"fake source {spec.path.name!r}: unknown option(s) "
+                         f"{', '.join(unknown)} (only load_s)")
+    return size, options
 
 
 class FakeBackend(Backend):
@@ -77,6 +97,7 @@ class FakeBackend(Backend):
 
     def load(self) -> None:
         self.control.gate.wait(timeout=30)
+        time.sleep(declared_load_s(self.spec))  # in the scheduler's load thread
         with self.control.lock:
             self.control.loads[self.name] = self.control.loads.get(self.name, 0) + 1
             if self.control.fail_next > 0:
@@ -109,6 +130,8 @@ class FakeBackend(Backend):
                           tokens=[len(t.split()) for t in texts])
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        if self.control.directives:
+            _directives(query, None)
         q = set(query.lower().split())
         return Ranking(scores=[len(q & set(d.lower().split())) / (len(q) or 1) for d in documents],
                        tokens=len(query.split()) + sum(len(d.split()) for d in documents))

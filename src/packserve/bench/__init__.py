@@ -1,6 +1,7 @@
 """`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers, the
-front/worker split (reliability: memory, crash recovery, the hop, drain) and a soak (memory,
-descriptors and threads under mixed traffic with evictions, from several API keys).
+front/worker split (reliability: memory, crash recovery, the hop, drain), a soak (memory,
+descriptors and threads under mixed traffic with evictions, from several API keys) and a pool
+on Ray Serve (routers compared on mixed traces; the entry point's cost; needs `packserve[pool]`).
 
 One module per scenario; each has `run(Options) -> Report`. This module parses the command
 line, runs the scenarios, and writes the JSON results, the plots and the Markdown table.
@@ -18,7 +19,8 @@ from pathlib import Path
 from packserve.bench.common import Options, console, write_results
 from packserve.bench.report import append_markdown
 
-SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak")
+SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak",
+             "pool")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="overhead, reliability: ABAB rounds")
     parser.add_argument("--duration", type=float,
                         help="trace: seconds of arrivals per policy (default 120); soak: seconds "
-                        "of traffic (default 600)")
+                        "of traffic (default 600); pool: seconds of each trace per router "
+                        "(default 45)")
     parser.add_argument("--rate", type=float, default=1.5, help="trace: mean requests/s")
     parser.add_argument("--alpha", type=float, default=0.9, help="trace: Zipf exponent")
     parser.add_argument("--cv", type=float, default=1.0,
@@ -43,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         ">1 = bursty, Gamma)")
     parser.add_argument("--budget-fraction", type=float, default=0.75,
                         help="trace: memory budget as a fraction of the models' sum")
-    parser.add_argument("--seed", type=int, default=1, help="trace: random seed")
+    parser.add_argument("--seed", type=int, default=1, help="trace, pool: random seed")
     parser.add_argument("--slo", default="embed=0.5,rerank=0.5,chat=4,complete=4",
                         help="trace: per-type latency targets in seconds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from packserve.config import Config
+from packserve.config import Config, PoolConfig
 from packserve.pool.node import Node
 
 SHARED = "packserve-shared"
@@ -51,7 +51,9 @@ def groups(config: Config) -> list[Group]:
 
 
 def _only(config: Config, names: tuple[str, ...]) -> Config:
-    return config.model_copy(update={"models": [m for m in config.models if m.name in names]})
+    """The node config of a group: its models; the pool section is the entry point's."""
+    return config.model_copy(update={"models": [m for m in config.models if m.name in names],
+                                     "pool": PoolConfig()})
 
 
 def deployment_options(config: Config, group: Group) -> dict[str, Any]:
@@ -63,8 +65,8 @@ def deployment_options(config: Config, group: Group) -> dict[str, Any]:
         # its node: the pool's total queue depth, per replica.
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=group.min_replicas, max_replicas=group.max_replicas,
-            target_ongoing_requests=pool.target_queue, upscale_delay_s=5.0,
-            downscale_delay_s=60.0)}
+            target_ongoing_requests=pool.target_queue, upscale_delay_s=pool.upscale_delay_s,
+            downscale_delay_s=pool.downscale_delay_s)}
     return {
         "name": group.name,
         "ray_actor_options": {"num_cpus": pool.replica_cpus, "num_gpus": pool.replica_gpus,

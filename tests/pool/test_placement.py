@@ -1,0 +1,147 @@
+"""Placement in a pool of fake-engine replicas on a one-node Ray cluster: pins on every replica
+of their group, dedicated replicas, one more copy for a model whose queue stays deep, idle
+extra copies dropped, embeddings sent again when their replica dies, and autoscaling within
+the config's bounds. Fake engines declare their sizes, so every byte is known."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.factories import Served, fake_model, pool_process, ray_cluster
+
+WAIT_S = 120.0  # a bound on waiting for the pool to show a state; never a timing assertion
+SHARED, DEDICATED = "packserve-shared", "packserve-dedicated-0"
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("placement")
+    with ray_cluster(nodes=1, cpus=4) as cluster:
+        config = tmp / "pool.toml"
+        config.write_text(f"""
+[server]
+data_dir = "{tmp / 'data'}"
+drain_s = 2
+[devices.cpu]
+memory_budget = "1GiB"
+headroom = "0B"
+[pool]
+address = "{cluster.address}"
+min_replicas = 2
+max_replicas = 2
+replica_cpus = 0
+stats_period_s = 0.2
+copy_queue_depth = 1
+copy_after_s = 0.5
+copy_idle_s = 3
+upscale_delay_s = 1
+target_queue = 1
+[[pool.dedicated]]
+models = ["solo"]
+min_replicas = 1
+max_replicas = 2
+""" + fake_model("emb", "max_concurrency = 1") + fake_model("pinned", "pin = true",
+                                                                 source="fake:32MiB")
+            + fake_model("solo", "max_concurrency = 1", source="fake:32MiB"), "utf-8")
+        with pool_process(config, tmp) as served:
+            yield served
+
+
+def _view(pool: Served) -> list[dict[str, Any]]:
+    replicas: list[dict[str, Any]] = httpx.get(f"{pool.url}/v1/pool", timeout=10).json()[
+        "replicas"]
+    return replicas
+
+
+def _wait_for(pool: Served, what: str, check: Any) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        view = _view(pool)
+        if check(view):
+            return view
+        time.sleep(0.1)
+    raise AssertionError(f"the pool never showed {what}: {_view(pool)}")
+
+
+def _hot_on(view: list[dict[str, Any]], model: str) -> list[str]:
+    return [r["replica"] for r in view for m in r["models"]
+            if m["name"] == model and m["state"] == "hot"]
+
+
+def _embed(pool: Served, model: str, text: str) -> httpx.Response:
+    r = httpx.post(f"{pool.url}/v1/embeddings", json={"model": model, "input": text},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_pins_are_held_by_every_replica_of_their_group(pool: Served) -> None:
+    view = _wait_for(pool, "the pin hot on both shared replicas",
+                     lambda v: len(_hot_on(v, "pinned")) == 2)
+    shared = [r for r in view if r["group"] == SHARED]
+    dedicated = [r for r in view if r["group"] == DEDICATED]
+    assert len(shared) == 2 and len(dedicated) == 1
+    assert all(m["pinned"] for r in shared for m in r["models"] if m["name"] == "pinned")
+    assert [m["name"] for m in dedicated[0]["models"]] == ["solo"]
+
+
+def test_a_dedicated_model_is_served_by_its_own_replicas(pool: Served) -> None:
+    dedicated = {r["replica"] for r in _view(pool) if r["group"] == DEDICATED}
+    assert _embed(pool, "solo", "alone").headers["x-packserve-replica"] in dedicated
+    # ...and the shared replicas do not know it: nothing else can be sent there.
+    assert all(m["name"] != "solo" for r in _view(pool) if r["group"] == SHARED
+               for m in r["models"])
+
+
+def test_a_model_deep_on_its_replica_gets_one_more_copy_then_drops_it(pool: Served) -> None:
+    first = _embed(pool, "emb", "warm").headers["x-packserve-replica"]
+    _wait_for(pool, "emb hot", lambda v: _hot_on(v, "emb") == [first])
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        futures = []
+        for i in range(8):  # slow requests arriving over ~1.6 s: emb's one slot stays busy
+            futures.append(ex.submit(_embed, pool, "emb", f"slow {i} @@sleep=1.5"))
+            time.sleep(0.2)
+        served_by = {f.result().headers["x-packserve-replica"] for f in futures}
+    assert len(served_by) == 2, served_by  # a second copy took part
+    _wait_for(pool, "two copies of emb", lambda v: len(_hot_on(v, "emb")) == 2)
+    # Idle for copy_idle_s, the extra copy is unloaded; the most recently used one stays.
+    view = _wait_for(pool, "one copy of emb again", lambda v: len(_hot_on(v, "emb")) == 1)
+    assert len(_hot_on(view, "pinned")) == 2  # a pin is never an extra copy to drop
+
+
+def _kill(group: str, replica: str) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{group}#{group}#{replica}", namespace="serve"),
+             no_restart=True)
+
+
+def test_an_embedding_lost_with_its_replica_is_sent_again(pool: Served) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        future = ex.submit(_embed, pool, "emb", "lost @@sleep=2")
+        view = _wait_for(pool, "the request running", lambda v: any(
+            m["name"] == "emb" and m["in_flight"] for r in v for m in r["models"]))
+        victim = next(r["replica"] for r in view for m in r["models"]
+                      if m["name"] == "emb" and m["in_flight"])
+        _kill(SHARED, victim)
+        answer = future.result(timeout=WAIT_S)
+    assert answer.headers["x-packserve-replica"] != victim
+    metrics = httpx.get(f"{pool.url}/metrics", timeout=30).text
+    assert 'packserve_pool_replica_lost_total{model="emb",outcome="retried"}' in metrics
+
+
+def test_a_busy_dedicated_group_scales_out_within_its_bounds(pool: Served) -> None:
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        futures = [ex.submit(_embed, pool, "solo", f"busy {i} @@sleep=4") for i in range(6)]
+        _wait_for(pool, "a second dedicated replica", lambda v: sum(
+            r["group"] == DEDICATED for r in v) == 2)
+        for f in futures:
+            f.result(timeout=WAIT_S)
+    assert sum(r["group"] == DEDICATED for r in _view(pool)) <= 2  # max_replicas
