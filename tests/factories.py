@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -575,12 +576,12 @@ def ray_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[RayCluster]:
         added.append(cluster.add_node(num_cpus=cpus, resources={"packserve_node": 1},
                                       object_store_memory=store))
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
+    ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
     try:
         yield RayCluster(cluster.address, added, cluster)
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]
 
 
 def pool_section(address: str, replicas: int, **extra: object) -> str:

@@ -5,7 +5,8 @@
   scope (`Services.lease`), and a model outside it is "does not exist or you have no access".
 - admin key: load, unload, pin, unpin, reload.
 - the read-only operator views (`/`, `/metrics`, `/v1/metrics/summary`, `/v1/residency`, the
-  dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`) are open or admin by `server.operator_views`.
+  dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`) are open or admin by
+  `server.operator_views`.
 
 Without a keys file every route is open (and the server listens on localhost only, unless the
 operator accepts the risk with `server.open_to_anyone`). Shared by the front and the worker: the
