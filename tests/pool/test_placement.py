@@ -144,3 +144,23 @@ def test_a_busy_dedicated_group_scales_out_within_its_bounds(pool: Served) -> No
         for f in futures:
             f.result(timeout=WAIT_S)
     assert sum(r["group"] == DEDICATED for r in _view(pool)) <= 2  # max_replicas
+
+
+def test_the_status_page_shows_every_replica_in_a_browser(pool: Served) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.metrics.test_status_page import CHROMIUM, FLAGS
+
+    replicas = {r["replica"] for r in _view(pool)}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            tab = browser.new_page()
+            tab.goto(pool.url + "/")
+            tab.wait_for_function(f"document.querySelectorAll('table.models').length >= "
+                                  f"{len(replicas)}", timeout=15_000)
+            text = tab.inner_text("#replicas")
+        finally:
+            browser.close()
+    assert all(r in text for r in replicas)
+    assert "pinned" in text and "solo" in text and "MiB used of" in text

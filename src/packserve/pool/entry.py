@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import RequestCancelledError
+from ray.serve.exceptions import RayServeException, RequestCancelledError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -335,6 +335,11 @@ async def _unary(pool: Pool, relay: Relay, path: str) -> Reply | Response:
     for attempt in range(retries + 1):
         try:
             reply = await pool.send(relay)
+        except RayServeException as exc:  # no replica to route to (all gone, or none yet)
+            pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
+            return _error(503, f"the pool has no replica that can take model "
+                          f"{relay.model!r} now ({type(exc).__name__}: {exc})",
+                          "model_unavailable", "pool_unavailable", retry_after=5)
         except _LOST as exc:
             if attempt < retries:
                 pool.metrics.lost.labels(model=relay.model, outcome="retried").inc()
