@@ -110,6 +110,11 @@ def _pool(args: argparse.Namespace) -> int:
         print(f"packserve: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.server.log_level)
+    if keys is None and config.server.open_to_anyone:
+        logging.getLogger("packserve").warning(
+            "the pool's entry point listens on %s with no API keys: anyone who reaches port "
+            "%d can call every model and every admin route", config.server.host,
+            config.server.port)
     try:
         from packserve.pool.run import run_pool
     except ImportError as exc:

@@ -6,8 +6,11 @@ the config's bounds. Fake engines declare their sizes, so every byte is known.""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -164,3 +167,64 @@ def test_the_status_page_shows_every_replica_in_a_browser(pool: Served) -> None:
             browser.close()
     assert all(r in text for r in replicas)
     assert "pinned" in text and "solo" in text and "MiB used of" in text
+
+
+def test_admin_routes_act_on_a_group_or_on_one_replica(pool: Served) -> None:
+    shared = sorted(r["replica"] for r in _view(pool) if r["group"] == SHARED)
+    plans = httpx.get(f"{pool.url}/v1/residency/plan", params={"model": "emb"},
+                      timeout=60).json()
+    assert sorted(plans["replicas"]) == shared
+    assert all("verdict" in p for p in plans["replicas"].values())
+    loaded = httpx.post(f"{pool.url}/v1/residency/emb/load", timeout=60)
+    assert loaded.status_code == 200 and loaded.json()["state"] == "hot"
+    assert loaded.headers["x-packserve-replica"] in shared  # where a request would go
+    gone = httpx.post(f"{pool.url}/v1/residency/emb/unload", timeout=60).json()
+    assert sorted(gone["replicas"]) == shared
+    assert {a["state"] for a in gone["replicas"].values()} == {"cold"}
+    one = httpx.get(f"{pool.url}/v1/residency", params={"replica": shared[0]}, timeout=60)
+    assert one.headers["x-packserve-replica"] == shared[0]
+    assert {m["name"] for m in one.json()["models"]} == {"emb", "pinned"}
+    missing = httpx.get(f"{pool.url}/v1/residency", params={"replica": "nope"}, timeout=60)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "replica_not_found"
+
+
+def _pid_of(actor: Any) -> int:
+    return os.getpid()
+
+
+def _node_pid(group: str, replica: str) -> int:
+    """The pid of the packserve node (its front) that a replica started."""
+    import ray
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{group}#{group}#{replica}", namespace="serve")
+    parent = int(ray.get(actor.__ray_call__.remote(_pid_of), timeout=60))  # type: ignore[call-overload]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"packserve.pool.child" in cmdline:
+            return int(proc.name)
+    raise AssertionError(f"no node process under replica {replica} (pid {parent})")
+
+
+def _retried(pool: Served) -> float:
+    for line in httpx.get(f"{pool.url}/metrics", timeout=30).text.splitlines():
+        if line.startswith('packserve_pool_replica_lost_total{model="emb",outcome="retried"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_an_embedding_sent_to_a_dead_node_is_sent_to_another_replica(pool: Served) -> None:
+    first = _embed(pool, "emb", "here").headers["x-packserve-replica"]
+    _wait_for(pool, "emb hot on one replica", lambda v: _hot_on(v, "emb") == [first])
+    before = _retried(pool)
+    os.kill(_node_pid(SHARED, first), signal.SIGKILL)  # the replica lives, its node does not
+    answer = _embed(pool, "emb", "there")
+    assert answer.headers["x-packserve-replica"] != first
+    assert _retried(pool) == before + 1
+    # Ray Serve's health check sees the node gone and replaces the replica.
+    _wait_for(pool, "the replica replaced", lambda v: first not in {r["replica"] for r in v})

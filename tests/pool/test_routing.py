@@ -136,3 +136,9 @@ def test_an_unmeasured_model_costs_the_default_load() -> None:
     replicas = [replica("busy", busy), replica("empty", at(verdict=Verdict.FITS))]
     assert DEFAULT_LOAD_S > 0.4
     assert flat(route(M, replicas)) == ["busy", "empty"]
+
+
+def test_a_replica_where_the_model_failed_is_the_last_resort() -> None:
+    replicas = [replica("failed", at(State.FAILED)),
+                replica("evict", at(verdict=Verdict.FITS_AFTER_EVICTION, evict_s=5.0))]
+    assert flat(route(M, replicas)) == ["evict", "failed"]

@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import RayServeException, RequestCancelledError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -55,6 +55,8 @@ from packserve.pool.routing import idle_copies
 log = logging.getLogger("packserve.pool")
 _event_log = logging.getLogger("packserve.events")
 
+# A request addressed to one replica (views, admin) waits this long for it to answer.
+ADDRESSED_S = 60.0
 _RETRY_SAFE = frozenset({"/v1/embeddings", "/v1/rerank"})
 _MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/completions")
 _LOST = (RayActorError, ActorUnavailableError)
@@ -111,7 +113,10 @@ class Pool:
         handle = self.handles[group] if group else self.handle_for(relay.model)
         if relay.model:
             handle = handle.options(multiplexed_model_id=relay.model)
-        reply: Reply = await handle.relay.remote(relay)
+        if relay.replica:  # Ray Serve waits for an addressed replica that is gone: bound it
+            reply: Reply = await asyncio.wait_for(handle.relay.remote(relay), ADDRESSED_S)
+        else:
+            reply = await handle.relay.remote(relay)
         return reply
 
     async def start(self) -> None:
@@ -168,7 +173,7 @@ def create_entry_app(pool: Pool) -> ASGIApp:
             try:
                 pool.limits.admit(caller)
             except RateLimited as exc:
-                return _error(429, exc.message, "rate_limit_error", "rate_limited",
+                return _error(exc.status, exc.message, exc.type, exc.code,
                               retry_after=exc.retry_after_s)
         release = _Release(pool, caller)
         try:
@@ -203,18 +208,15 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         # the dry-run plan: every replica of the model's group
         model = request.query_params.get("model", "")
         group = pool.group_of.get(model, pool.default_group)
-        plans = {}
-        for g, r, _stats in pool.replicas():
-            if g == group:
-                reply = await pool.send(_relay(request, b"", "", replica=r), g)
-                plans[r] = json.loads(reply.body)
-        return JSONResponse({"model": model, "replicas": plans})
+        return JSONResponse({"model": model,
+                             "replicas": await each_replica(request, group)})
 
     async def admin(request: Request) -> Response:
         replica = request.query_params.get("replica")
         if replica:
             return await addressed(request, replica)
-        name, verb = request.path_params["name"], request.path_params["verb"]
+        name = request.path_params["name"]
+        verb = request.url.path.rsplit("/", 1)[1]
         if name not in pool.group_of:
             return _error(404, f"model {name!r} is not in the pool's config",
                           "invalid_request_error", "model_not_found")
@@ -222,12 +224,22 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         if verb == "load":  # where a request would go
             reply = await pool.send(replace(_relay(request, b"", ""), model=name), group)
             return _response(reply)
-        answers = {}
+        return JSONResponse({"model": name, "replicas": await each_replica(request, group)})
+
+    async def each_replica(request: Request, group: str) -> dict[str, Any]:
+        """`request` sent to every replica of `group`: each one's answer, or its error."""
+        answers: dict[str, Any] = {}
         for g, r, _stats in pool.replicas():
-            if g == group:
+            if g != group:
+                continue
+            try:
                 reply = await pool.send(_relay(request, b"", "", replica=r), g)
                 answers[r] = json.loads(reply.body)
-        return JSONResponse({"model": name, "replicas": answers})
+            except (*_LOST, RayServeException, TimeoutError) as exc:
+                answers[r] = error_body(f"replica {r!r} did not answer: "
+                                        f"{type(exc).__name__}", "server_error",
+                                        code="replica_unavailable")
+        return answers
 
     async def addressed(request: Request, replica: str) -> Response:
         group = next((g for g, r, _ in pool.replicas() if r == replica), None)
@@ -235,14 +247,22 @@ def create_entry_app(pool: Pool) -> ASGIApp:
             return _error(404, f"no replica {replica!r} in the pool (GET /v1/pool lists them)",
                           "invalid_request_error", "replica_not_found")
         body = await request.body()
-        return _response(await pool.send(_relay(request, body, "", replica=replica), group))
+        try:
+            return _response(await pool.send(_relay(request, body, "", replica=replica), group))
+        except TimeoutError:
+            return _error(504, f"replica {replica!r} did not answer within {ADDRESSED_S:.0f}s",
+                          "server_error", "replica_timeout")
+        except (*_LOST, RayServeException) as exc:
+            return _error(503, f"replica {replica!r} is gone ({type(exc).__name__})",
+                          "model_unavailable", "replica_lost", retry_after=1)
 
     async def metrics(_: Request) -> Response:
         texts = {}
         for g, r, _stats in pool.replicas():
-            with contextlib.suppress(*_LOST, RequestCancelledError):
+            with contextlib.suppress(*_LOST, RayServeException, TimeoutError):
                 reply = await pool.send(Relay("GET", "/metrics", (), replica=r), g)
-                texts[r] = reply.body.decode("utf-8")
+                if reply.status == 200:  # a node that is down answers 503 in JSON
+                    texts[r] = reply.body.decode("utf-8")
         registry = CollectorRegistry()
         registry.register(_Relabelled(texts))
         return Response(generate_latest(registry) + generate_latest(pool.metrics.registry),
@@ -251,9 +271,10 @@ def create_entry_app(pool: Pool) -> ASGIApp:
     async def summary(_: Request) -> JSONResponse:
         out = {}
         for g, r, _stats in pool.replicas():
-            with contextlib.suppress(*_LOST, RequestCancelledError):
+            with contextlib.suppress(*_LOST, RayServeException, TimeoutError):
                 reply = await pool.send(Relay("GET", "/v1/metrics/summary", (), replica=r), g)
-                out[r] = json.loads(reply.body)
+                if reply.status == 200:
+                    out[r] = json.loads(reply.body)
         return JSONResponse({"replicas": out})
 
     async def healthz(_: Request) -> JSONResponse:
@@ -294,7 +315,8 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         Route("/v1/pool", view, methods=["GET"]),
         Route("/v1/residency", residency, methods=["GET"]),
         Route("/v1/residency/plan", residency, methods=["GET"]),
-        Route("/v1/residency/{name:path}/{verb:str}", admin, methods=["POST"]),
+        *(Route(f"/v1/residency/{{name:path}}/{verb}", admin, methods=["POST"])
+          for verb in ("load", "unload", "pin", "unpin")),
         Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     app = Starlette(
@@ -349,6 +371,13 @@ async def _unary(pool: Pool, relay: Relay, path: str) -> Reply | Response:
                 continue
             pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
             return _lost(relay.model, path, exc, attempt)
+        if reply.node_down and attempt < retries:
+            relay = replace(relay, avoid=(*relay.avoid, reply.replica))
+            pool.metrics.lost.labels(model=relay.model, outcome="retried").inc()
+            log.info("request %s (%s): the node of replica %s is down; sent again",
+                     REQUEST_ID.get(), relay.model, reply.replica)
+            await asyncio.sleep(0.2 * (attempt + 1))
+            continue
         pool.metrics.requests.labels(model=relay.model, replica=reply.replica,
                                      status=str(reply.status)).inc()
         return reply
@@ -383,6 +412,9 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
     assert isinstance(head, Reply)
     pool.metrics.requests.labels(model=relay.model, replica=head.replica,
                                  status=str(head.status)).inc()
+    if head.node_down:  # a generation is not sent again: its 503 says why
+        release.done()
+        return _response(head)
 
     async def body() -> AsyncIterator[bytes]:
         tail = b"\n\n"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ import httpx
 import ray
 from ray import serve
 
+from packserve.api.asgi import error_body
 from packserve.config import Config
 from packserve.front.app import HOP_RESPONSE
 
@@ -49,6 +51,7 @@ class Relay:
     body: bytes = b""
     model: str = ""  # the model it asks for ("" for a view such as /v1/models)
     replica: str = ""  # send it to this replica only (admin, per-replica views)
+    avoid: tuple[str, ...] = ()  # replicas whose node was down for an earlier try
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Reply:
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes = b""
     replica: str = ""
+    node_down: bool = False  # the replica lives but its node does not answer
 
 
 class _RayModel:
@@ -125,10 +129,24 @@ class Node:
         """Send `req` to the node and return its whole answer."""
         await self._multiplexed(req)
         t0 = time.monotonic()
-        r = await self._client.request(req.method, req.target, headers=list(req.headers),
-                                       content=req.body)
+        try:
+            r = await self._client.request(req.method, req.target, headers=list(req.headers),
+                                           content=req.body)
+        except httpx.TransportError as exc:
+            return self._down(exc)
         self._served(req.model, time.monotonic() - t0, r.status_code)
         return Reply(r.status_code, _headers(r), r.content, self.replica)
+
+    def _down(self, exc: Exception) -> Reply:
+        """The answer when the node does not answer (it exited, or is restarting)."""
+        rc = self._proc.poll()
+        state = f"exited with {rc}" if rc is not None else "not answering"
+        body = json.dumps(error_body(
+            f"the packserve node of pool replica {self.replica} is {state} "
+            f"({type(exc).__name__}); Ray Serve replaces a replica whose node exited",
+            "model_unavailable", code="node_unavailable")).encode()
+        return Reply(503, ((b"content-type", b"application/json"), (b"retry-after", b"1")),
+                     body, self.replica, node_down=True)
 
     async def relay_stream(self, req: Relay) -> AsyncIterator[Reply | bytes]:
         """Send `req` to the node and yield its answer's head, then its body as it comes."""
@@ -136,7 +154,11 @@ class Node:
         t0 = time.monotonic()
         request = self._client.build_request(req.method, req.target,
                                              headers=list(req.headers), content=req.body)
-        r = await self._client.send(request, stream=True)
+        try:
+            r = await self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            yield self._down(exc)
+            return
         try:
             yield Reply(r.status_code, _headers(r), b"", self.replica)
             async for chunk in r.aiter_raw():

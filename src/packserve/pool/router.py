@@ -90,7 +90,11 @@ class PackserveRouter(Registered):
         addressed = self.addressed(candidate_replicas, pending_request)
         if addressed is not None:
             return addressed
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        avoid = set(getattr(pending_request.args[0], "avoid", ())) if pending_request and \
+            pending_request.args else set()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas
+                 if r.replica_id.unique_id not in avoid} or \
+            {r.replica_id.unique_id: r for r in candidate_replicas}
         model = _model(pending_request)
         if not model:
             return [candidate_replicas]
@@ -105,7 +109,7 @@ class PackserveRouter(Registered):
             self.copy_after_s == 0 and model in self._deep_since)
         ranks = route(model, views, sent, spill=spill)
         if not ranks:  # nowhere it fits: let a node say so, with its numbers
-            return [candidate_replicas]
+            return [list(by_id.values())]
         return [[by_id[i] for i in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

@@ -10,7 +10,8 @@ The order of preference for a request (docs/pool.md):
 3. one where it fits without evicting anything (the most free bytes first);
 4. the one whose eviction costs least: the reload seconds of the victims its own dry-run plan
    names (the node's policy chooses them, not the router);
-5. one where it fits once busy models finish; a busy one whose wait was longer than a load.
+5. one where it fits once busy models finish; a busy one whose wait was longer than a load;
+   one where the model failed (in its cooldown or quarantined there).
 A replica that does not serve the model, or where it can never fit, is not a candidate.
 """
 
@@ -132,6 +133,9 @@ def route(model: str, replicas: Sequence[ReplicaView],
             continue
         m = r.models.get(model)
         if m is None or (not m.holds and m.verdict is Verdict.NEVER_FITS):
+            continue
+        if m.state is State.FAILED:  # cooling down or quarantined there: last resort
+            later.append((1.0, r.replica))
             continue
         n = occupancy(m, outstanding.get(r.replica, 0))
         if m.state is State.HOT and n < m.concurrency:

@@ -59,7 +59,8 @@ async def _serve(entry: object) -> int:
     config = entry.config
     server = _Server(uvicorn.Config(
         create_entry_app(entry), host=config.server.host, port=config.server.port,
-        log_level=config.server.log_level, lifespan="off", timeout_graceful_shutdown=5))
+        log_level=config.server.log_level, access_log=config.server.access_log,
+        lifespan="off", timeout_graceful_shutdown=5))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
