@@ -23,6 +23,7 @@ from packserve.bench.pool import (
     replica_budget_mib,
     request_for,
     residency_counts,
+    slo_targets,
 )
 from packserve.cli import main
 
@@ -69,6 +70,12 @@ def test_every_request_carries_its_service_time_for_its_task() -> None:
         low, high = model.service_s
         assert low <= service <= high
         assert f"@@sleep={service:.3f}" in json.dumps(body)
+
+
+def test_slo_targets_default_per_task_and_take_the_command_line() -> None:
+    assert slo_targets(None) == SLO_S == {"embed": 0.5, "rerank": 0.5, "chat": 4.0,
+                                          "complete": 4.0}
+    assert slo_targets("embed=1, chat=2.5") == {**SLO_S, "embed": 1.0, "chat": 2.5}
 
 
 def test_loads_and_evictions_are_summed_over_replicas() -> None:

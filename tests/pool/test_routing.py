@@ -142,3 +142,17 @@ def test_a_replica_where_the_model_failed_is_the_last_resort() -> None:
     replicas = [replica("failed", at(State.FAILED)),
                 replica("evict", at(verdict=Verdict.FITS_AFTER_EVICTION, evict_s=5.0))]
     assert flat(route(M, replicas)) == ["evict", "failed"]
+
+
+def test_loads_on_their_way_count_against_a_replicas_free_bytes() -> None:
+    from packserve.pool.routing import pending_bytes
+
+    other = "other"
+    replicas = [replica("a", at(verdict=Verdict.FITS), free=1000,
+                        other=at(bytes=600, verdict=Verdict.FITS)),
+                replica("b", at(verdict=Verdict.FITS), free=900)]
+    assert flat(route(M, replicas)) == ["a", "b"]
+    # A request for `other` just went to a, whose report does not show it loading yet.
+    pending = pending_bytes(replicas, {("a", other): 1})
+    assert pending == {"a": 600}
+    assert flat(route(M, replicas, pending=pending)) == ["b", "a"]

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float,
                         help="trace: seconds of arrivals per policy (default 120); soak: seconds "
                         "of traffic (default 600); pool: seconds of each trace per router "
-                        "(default 45)")
+                        "(default 30)")
     parser.add_argument("--rate", type=float, default=1.5, help="trace: mean requests/s")
     parser.add_argument("--alpha", type=float, default=0.9, help="trace: Zipf exponent")
     parser.add_argument("--cv", type=float, default=1.0,
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace: memory budget as a fraction of the models' sum")
     parser.add_argument("--seed", type=int, default=1, help="trace, pool: random seed")
     parser.add_argument("--slo", default="embed=0.5,rerank=0.5,chat=4,complete=4",
-                        help="trace: per-type latency targets in seconds")
+                        help="trace, pool: per-type latency targets in seconds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

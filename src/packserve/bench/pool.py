@@ -16,15 +16,18 @@ catalog of twelve fake models (`backend = "fake"`) that declare a size, a load t
 each request (`@@sleep=S`), a service time taken from real models: MiniLM, SmolLM2-135M and
 Gemma-3-270M as measured on this machine (90, 170 and 400 MiB; loads of 0.4, 0.3 and 0.8 s;
 an embedding in ~10 ms, a chat answer in 1-2 s), and nine common serving models at their
-published download sizes (Ollama's GGUF sizes; the rerankers' safetensors), whose loads take
-their bytes at the Gemma load's rate (500 MiB/s). Sizes and load times are then multiplied by
-one factor, `SCALE` = 1/2, so the largest (Llama 3.2 3B, 1.9 GiB, 3.8 s) becomes 954 MiB and
-1.9 s; per-request service times are not scaled (the SLOs are in real seconds). Each replica's
+published download sizes (Ollama's GGUF sizes; the reranker's safetensors), whose loads take
+their bytes at the Gemma load's rate (500 MiB/s) and whose answers take as long as those of the
+measured model of their task. Sizes and load times are then multiplied by one factor, `SCALE` =
+1/2, so that traces of seconds see many loads: the largest (Llama 3.2 3B, 1.9 GiB, 3.8 s)
+becomes 954 MiB and 1.9 s. Per-request service times are not scaled (the SLOs are in real
+seconds). The catalog stops at 3B: one 8B model (4.9 GB) would need a replica budget that puts
+the whole catalog on three replicas, and no routing could then matter. Each replica's
 budget is the larger of the largest model and the pool's share of half the catalog's bytes, so
 the whole catalog never fits on the pool at once and routing decides how often models load.
 Traces (seeded): steady (Poisson arrivals, Zipf(0.9) popularity), bursty (arrival CV 4) and
-shifting (the popularity order reversed halfway). SLOs as `bench trace`: embed and rerank
-0.5 s, chat and complete 4 s.
+shifting (the popularity order reversed halfway). SLOs as `bench trace` (`--slo`): embed and
+rerank 0.5 s, chat and complete 4 s.
 
 Entry point. With the real MiniLM embedder only: p50 latency of single-sentence embeddings,
 sequential, through one `packserve serve` and through the pool's entry point (one replica),
@@ -49,6 +52,7 @@ from typing import Any
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 from rich.table import Table
 
 from packserve.bench.common import (
@@ -73,11 +77,12 @@ SCALE = 0.5  # sizes and load times of the catalog below, one factor for both
 LOAD_MIB_PER_S = 500.0  # Gemma-3-270M's 400 MiB GGUF loads in 0.8 s on this machine
 POOL_FRACTION = 0.5  # the pool's budgets together hold about this share of the catalog
 ALPHA = 0.9
-SLO_S = {"embed": 0.5, "rerank": 0.5, "chat": 4.0, "complete": 4.0}  # as `bench trace`
+SLO_S = {"embed": 0.5, "rerank": 0.5, "chat": 4.0, "complete": 4.0}  # `--slo`'s default
 ROUTERS = {"packserve": "packserve router", "ray": "Ray Serve multiplexed",
            "round_robin": "round robin"}
 RERANK_DOCS = 8
 NODE_CPUS = 2
+REPORT_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -191,10 +196,16 @@ def request_for(r: TraceRequest) -> tuple[str, dict[str, Any], float]:
                                     "messages": [{"role": "user", "content": text}]}, service
 
 
-def attainment(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def slo_targets(spec: str | None) -> dict[str, float]:
+    """`--slo` ("embed=0.5,chat=4,..."), over SLO_S for the tasks it leaves out."""
+    pairs = (item.split("=", 1) for item in (spec or "").split(",") if item.strip())
+    return {**SLO_S, **{task.strip(): float(seconds) for task, seconds in pairs}}
+
+
+def attainment(results: Sequence[dict[str, Any]], slo: dict[str, float]) -> dict[str, Any]:
     """SLO attainment (a 200 within its task's SLO) overall and per task, latency percentiles."""
     def met(rs: Sequence[dict[str, Any]]) -> float | None:
-        ok = sum(1 for r in rs if r["status"] == 200 and r["latency_s"] <= SLO_S[r["task"]])
+        ok = sum(1 for r in rs if r["status"] == 200 and r["latency_s"] <= slo[r["task"]])
         return ok / len(rs) if rs else None
 
     by_task = {}
@@ -203,7 +214,7 @@ def attainment(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if rs:
             lat = [r["latency_s"] for r in rs if r["status"] == 200]
             p50, p95 = np.percentile(lat, [50, 95]).tolist() if lat else (None, None)
-            by_task[task] = {"requests": len(rs), "slo_s": SLO_S[task],
+            by_task[task] = {"requests": len(rs), "slo_s": slo[task],
                              "slo_attainment": met(rs), "p50_s": p50, "p95_s": p95}
     return {"slo_attainment": met(results), "by_task": by_task}
 
@@ -235,6 +246,8 @@ def residency_counts(metrics_text: str) -> dict[str, Any]:
 
 def pool_config(path: Path, *, data_dir: Path, address: str, replicas: int, router: str,
                 budget_mib: int, models_toml: str, ray_models: int = 1) -> Path:
+    """A pool of `replicas` (one per `packserve_node`, none asking for a CPU: the nodes' cores
+    are shared as one machine's are) on the cluster at `address`, each on `budget_mib`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f'[server]\ndata_dir = "{data_dir}"\nlog_level = "warning"\nload_wait_s = 120\n'
@@ -249,15 +262,28 @@ def pool_config(path: Path, *, data_dir: Path, address: str, replicas: int, rout
 
 
 def fake_models_toml(catalog: Sequence[FakeModel] = CATALOG) -> str:
+    """The `[[models]]` entries of the fake catalog."""
     return "".join(f'[[models]]\nname = "{m.name}"\ntasks = ["{m.task}"]\nbackend = "fake"\n'
                    f'source = "{m.source}"\n\n' for m in catalog)
 
 
 @contextlib.contextmanager
-def running_pool(config: Path, log: Path) -> Iterator[Server]:
-    """`packserve pool --config CONFIG` on a free port, until its entry point is ready."""
+def running_pool(config: Path, log: Path, replicas: int) -> Iterator[Server]:
+    """`packserve pool --config CONFIG` on a free port, once every replica has reported to
+    the router (`/readyz` answers 200 as soon as one replica per group has: the router puts
+    replicas it has no report of last, so a trace started then would begin on one replica)."""
     argv = [sys.executable, "-m", "packserve.cli", "pool", "--config", str(config)]
-    with run_server(argv, health="/readyz", log=log) as server:
+    with run_server(argv, health="/readyz", log=log) as server, server.client(10) as c:
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
+            view = c.get("/v1/pool").json()["replicas"]
+            if len(view) >= replicas and all(r["reported_at"] for r in view):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(view)} pool replicas, "
+                                   f"{sum(1 for r in view if r['reported_at'])} reported, "
+                                   f"{replicas} expected after {REPORT_WAIT_S:.0f}s; see {log}")
+            time.sleep(0.1)
         yield server
 
 
@@ -311,18 +337,29 @@ async def replay(url: str, trace: Sequence[TraceRequest], advance: Callable[[int
     return results
 
 
-def run_policy(opts: Options, *, address: str, replicas: int, router: str, budget_mib: int,
-               ray_models: int, trace: Sequence[TraceRequest], name: str,
-               advance: Callable[[int], None]) -> dict[str, Any]:
-    """One fresh pool under `router`, one trace replayed on it; the counts."""
+@dataclass(frozen=True)
+class Setup:
+    """What every router's pool shares in one bench: the cluster, replicas, budgets, SLOs."""
+
+    address: str
+    replicas: int
+    budget_mib: int
+    ray_models: int
+    slo: dict[str, float]
+
+
+def run_policy(opts: Options, setup: Setup, router: str, name: str,
+               trace: Sequence[TraceRequest], advance: Callable[[int], None]
+               ) -> dict[str, Any]:
+    """One fresh pool (and data dir) under `router`, trace `name` replayed on it; the counts."""
     work = opts.out / "work"
     data = Path(tempfile.mkdtemp(prefix=f"pool-{name}-{router}-"))
     try:
         config = pool_config(work / f"pool-{name}-{router}.toml", data_dir=data,
-                             address=address, replicas=replicas, router=router,
-                             budget_mib=budget_mib, models_toml=fake_models_toml(),
-                             ray_models=ray_models)
-        with running_pool(config, work / f"pool-{name}-{router}.log") as pool:
+                             address=setup.address, replicas=setup.replicas, router=router,
+                             budget_mib=setup.budget_mib, models_toml=fake_models_toml(),
+                             ray_models=setup.ray_models)
+        with running_pool(config, work / f"pool-{name}-{router}.log", setup.replicas) as pool:
             t0 = time.perf_counter()
             results = asyncio.run(replay(pool.url, trace, advance))
             wall = time.perf_counter() - t0
@@ -342,7 +379,7 @@ def run_policy(opts: Options, *, address: str, replicas: int, router: str, budge
         "router": router, "sent": len(trace),
         "answered": sum(1 for r in results if r["status"] > 0),
         "non_200": sum(1 for r in results if r["status"] != 200), "statuses": statuses,
-        **attainment(results), **counts,
+        **attainment(results, setup.slo), **counts,
         "replicas_per_model": {m: len(s) for m, s in sorted(served.items())},
         "mean_replicas_per_model": (sum(len(s) for s in served.values()) / len(served)
                                     if served else None),
@@ -373,7 +410,7 @@ def entry_cost(opts: Options, address: str, n: int, advance: Callable[[int], Non
     times: dict[str, list[float]] = {"single": [], "pool": []}
     with run_server(packserve_argv("--config", str(config)),
                     log=work / "pool-entry-single.log") as single, \
-            running_pool(config, work / "pool-entry-pool.log") as pool, \
+            running_pool(config, work / "pool-entry-pool.log", 1) as pool, \
             single.client() as a, pool.client() as b:
         clients = {"single": a, "pool": b}
 
@@ -402,26 +439,27 @@ def entry_cost(opts: Options, address: str, n: int, advance: Callable[[int], Non
 def run(opts: Options) -> Report:
     x = opts.extra
     nodes = 2 if opts.quick else 3
-    duration = 12.0 if opts.quick else float(x.get("duration", 45))
-    rate = 2.0 if opts.quick else 3.0
+    duration = 12.0 if opts.quick else float(x.get("duration", 30))
+    rate = 2.0 if opts.quick else 4.0
     seed = int(x.get("seed", 1))
     n_latency = 30 if opts.quick else 200
     shapes = TRACES[:1] if opts.quick else TRACES
     budget = replica_budget_mib(nodes)
     ray_models = models_per_replica(budget)
+    slo = slo_targets(x.get("slo"))
     traces = {s.name: pool_trace(s, seed=seed, duration_s=duration, rate=rate) for s in shapes}
     report = Report("pool")
     results: dict[str, Any] = {}
     total = sum(len(t) for t in traces.values()) * len(ROUTERS) + n_latency
     with progress(opts, "pool", total) as advance, ray_cluster(nodes) as address:
+        setup = Setup(address, nodes, budget, ray_models, slo)
         for shape in shapes:
             trace = traces[shape.name]
             per_router = {}
             for router in ROUTERS:
                 advance(0, f"{shape.name}, {ROUTERS[router]}")
-                per_router[router] = run_policy(
-                    opts, address=address, replicas=nodes, router=router, budget_mib=budget,
-                    ray_models=ray_models, trace=trace, name=shape.name, advance=advance)
+                per_router[router] = run_policy(opts, setup, router, shape.name, trace,
+                                                advance)
             results[shape.name] = {"shape": asdict(shape), "requests": len(trace),
                                    "policies": per_router}
         advance(0, "entry point cost (real MiniLM)")
@@ -432,7 +470,7 @@ def run(opts: Options) -> Report:
         "budget_bytes_per_replica": budget * MIB, "catalog_bytes": catalog_mib * MIB,
         "pool_holds_fraction_of_catalog": nodes * budget / catalog_mib,
         "ray_models_per_replica": ray_models, "scale": SCALE,
-        "load_mib_per_s": LOAD_MIB_PER_S, "slo_s": SLO_S,
+        "load_mib_per_s": LOAD_MIB_PER_S, "slo_s": slo,
         "catalog": [{**asdict(m), "mib": m.mib, "load_s": m.load_s, "source": m.source}
                     for m in CATALOG],
         "trace": {"seed": seed, "duration_s": duration, "rate_per_s": rate,
@@ -465,9 +503,9 @@ def run(opts: Options) -> Report:
         + ", ".join(f"{s.name} ({len(traces[s.name])} requests, CV {s.cv}"
                     + (", popularity reversed halfway)" if s.shift else ")") for s in shapes),
     ]
-    for shape in shapes:  # wide enough for every column, on a terminal or in a log
-        console.print(_rich(shape.name, results[shape.name]["policies"]),
-                      width=max(console.width, 130))
+    wide = Console(stderr=True, width=max(console.width, 140))  # every column, even in a log
+    for shape in shapes:
+        wide.print(_rich(shape.name, results[shape.name]["policies"]))
     console.print(f"entry point cost: p50 pool {cost['p50_s']['pool'] * 1000:.1f} ms, single "
                   f"server {cost['p50_s']['single'] * 1000:.1f} ms, ratio "
                   f"{cost['ratio_pool_over_single']:.2f}")
@@ -504,7 +542,8 @@ def _cost_table(cost: dict[str, Any]) -> dict[str, Any]:
 def _rich(trace: str, policies: dict[str, Any]) -> Table:
     table = Table(title=f"bench pool: {trace} trace")
     for column in _COLUMNS[1:]:
-        table.add_column(column, justify="left" if column == "router" else "right")
+        table.add_column(column, justify="left" if column == "router" else "right",
+                         no_wrap=True)
     for router, p in policies.items():
         table.add_row(*(str("-" if v is None else v) for v in _row(trace, router, p)[1:]))
     return table

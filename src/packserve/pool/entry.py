@@ -281,11 +281,13 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         return JSONResponse({"status": "ok", "replicas": len(pool.replicas())})
 
     async def readyz(_: Request) -> JSONResponse:
-        reported = {g for g, _r, stats in pool.replicas() if stats.get("models") is not None}
+        replicas = pool.replicas()
+        reported = {g for g, _r, stats in replicas if stats.get("models") is not None}
         missing = [g.name for g in pool.groups if g.name not in reported]
-        if missing:
-            return JSONResponse({"status": "not_ready", "groups_without_replicas": missing},
-                                status_code=503)
+        silent = [r for _g, r, stats in replicas if stats.get("models") is None]
+        if missing or silent:  # routing ranks an unreported replica last: wait for all
+            return JSONResponse({"status": "not_ready", "groups_without_replicas": missing,
+                                 "replicas_not_reported": silent}, status_code=503)
         return JSONResponse({"status": "ready"})
 
     async def status_page(_: Request) -> HTMLResponse:

@@ -22,7 +22,7 @@ from typing import Any
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from packserve.pool.routing import ReplicaView, is_deep, route
+from packserve.pool.routing import ReplicaView, is_deep, pending_bytes, route
 
 # Deployment name -> its router in this process (see the module docstring).
 ROUTERS: dict[str, Registered] = {}
@@ -107,7 +107,8 @@ class PackserveRouter(Registered):
             self._deep_since.pop(model, None)
         spill = now - self._deep_since.get(model, now) >= self.copy_after_s > 0 or (
             self.copy_after_s == 0 and model in self._deep_since)
-        ranks = route(model, views, sent, spill=spill)
+        ranks = route(model, views, sent, spill=spill,
+                      pending=pending_bytes(views, self.outstanding))
         if not ranks:  # nowhere it fits: let a node say so, with its numbers
             return [list(by_id.values())]
         return [[by_id[i] for i in rank] for rank in ranks]

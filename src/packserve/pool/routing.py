@@ -112,14 +112,30 @@ def is_deep(model: str, replicas: Sequence[ReplicaView], outstanding: Mapping[st
         occupancy(m, outstanding.get(r.replica, 0)) - m.concurrency > depth for r, m in holders)
 
 
+def pending_bytes(replicas: Sequence[ReplicaView],
+                  outstanding: Mapping[tuple[str, str], int]) -> dict[str, int]:
+    """Per replica, the bytes of models this router has sent requests for there that its last
+    report did not show as held: loads on their way, which that report could not count."""
+    views = {r.replica: r for r in replicas}
+    out: dict[str, int] = {}
+    for (replica, model), n in outstanding.items():
+        m = views[replica].models.get(model) if replica in views else None
+        if n > 0 and m is not None and not m.holds:
+            out[replica] = out.get(replica, 0) + m.bytes
+    return out
+
+
 def route(model: str, replicas: Sequence[ReplicaView],
-          outstanding: Mapping[str, int] | None = None, *, spill: bool = False
-          ) -> list[list[str]]:
+          outstanding: Mapping[str, int] | None = None, *, spill: bool = False,
+          pending: Mapping[str, int] | None = None) -> list[list[str]]:
     """Replica ids for a request for `model`, in ranks, most preferred first (Ray Serve tries
     a rank's replicas before the next rank's). `outstanding`: requests for `model` this router
     has sent to each replica and not yet seen finish. `spill`: the model has been deep on every
-    holder long enough to get one more copy, so a replica without it comes before a busy one."""
+    holder long enough to get one more copy, so a replica without it comes before a busy one.
+    `pending`: bytes on their way to each replica (`pending_bytes`), taken off its free bytes,
+    so that a burst of cold requests spreads instead of queueing loads on one replica."""
     outstanding = outstanding or {}
+    pending = pending or {}
     load_s = load_seconds(model, replicas)
     free: list[tuple[float, str]] = []
     busy: list[tuple[float, str]] = []
@@ -143,7 +159,7 @@ def route(model: str, replicas: Sequence[ReplicaView],
         elif m.holds:
             busy.append((expected_wait(m, n, load_s), r.replica))
         elif m.verdict in (Verdict.FITS, Verdict.ALREADY_LOADED):
-            fits.append((-r.free_bytes, r.replica))
+            fits.append((-(r.free_bytes - pending.get(r.replica, 0)), r.replica))
         elif m.verdict is Verdict.FITS_AFTER_EVICTION:
             evicts.append((m.evict_s, m.evict_bytes, r.replica))
         else:  # WAIT_FOR_BUSY
