@@ -7,8 +7,8 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
@@ -16,6 +16,10 @@ from rich.table import Table
 
 from packserve.errors import ConfigError
 from packserve.units import format_bytes
+
+if TYPE_CHECKING:
+    from packserve.auth import KeyRing
+    from packserve.config import Config
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,26 +99,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _pool(args: argparse.Namespace) -> int:
-    from packserve.auth import KeyRing
     from packserve.config import load_config
 
-    try:
+    def read() -> Config:
         config = load_config(args.config, host=args.host, port=args.port,
                              memory_budget=args.memory_budget,
                              open_to_anyone=args.open_to_anyone)
-        if args.address is not None:
-            config = config.model_copy(update={
-                "pool": config.pool.model_copy(update={"address": args.address})})
-        keys = KeyRing(config.keys_path) if config.keys_path is not None else None
-    except ConfigError as exc:
-        print(f"packserve: {exc.message}", file=sys.stderr)
+        if args.address is None:
+            return config
+        return config.model_copy(update={
+            "pool": config.pool.model_copy(update={"address": args.address})})
+
+    opened = _open(read, "the pool's entry point")
+    if opened is None:
         return 2
-    configure_logging(config.server.log_level)
-    if keys is None and config.server.open_to_anyone:
-        logging.getLogger("packserve").warning(
-            "the pool's entry point listens on %s with no API keys: anyone who reaches port "
-            "%d can call every model and every admin route", config.server.host,
-            config.server.port)
+    config, keys = opened
     try:
         from packserve.pool.run import run_pool
     except ImportError as exc:
@@ -124,9 +123,27 @@ def _pool(args: argparse.Namespace) -> int:
     return run_pool(config, keys)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _open(read: Callable[[], Config], who: str) -> tuple[Config, KeyRing | None] | None:
+    """Read the config and its keys (None after printing why not), set up logging, and warn
+    when `who` listens beyond localhost without keys. Shared by serve and pool."""
     from packserve.auth import KeyRing
-    from packserve.config import Config, load_config
+
+    try:
+        config = read()
+        keys = KeyRing(config.keys_path) if config.keys_path is not None else None
+    except ConfigError as exc:
+        print(f"packserve: {exc.message}", file=sys.stderr)
+        return None
+    configure_logging(config.server.log_level)
+    if keys is None and config.server.open_to_anyone:
+        logging.getLogger("packserve").warning(
+            "%s listens on %s with no API keys: anyone who reaches port %d can call every "
+            "model and every admin route", who, config.server.host, config.server.port)
+    return config, keys
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from packserve.config import load_config
 
     only = [m.strip() for m in args.models.split(",") if m.strip()] if args.models else None
 
@@ -135,17 +152,10 @@ def _serve(args: argparse.Namespace) -> int:
                            memory_budget=args.memory_budget, only_models=only,
                            open_to_anyone=args.open_to_anyone)
 
-    try:
-        config = read()
-        keys = KeyRing(config.keys_path) if config.keys_path is not None else None
-    except ConfigError as exc:
-        print(f"packserve: {exc.message}", file=sys.stderr)
+    opened = _open(read, "packserve")
+    if opened is None:
         return 2
-    configure_logging(config.server.log_level)
-    if keys is None and config.server.open_to_anyone:
-        logging.getLogger("packserve").warning(
-            "listening on %s with no API keys: anyone who reaches port %d can call every model "
-            "and every admin route", config.server.host, config.server.port)
+    config, keys = opened
     from packserve.front.app import run_front
 
     return asyncio.run(run_front(config, reload=read, keys=keys))
