@@ -535,11 +535,13 @@ async def hold(scheduler: Scheduler, name: str, request_id: str = "") -> Hold:
 def resident(
     key: str, mib: int, *, last_used: float = 0.0, pinned: bool = False, in_flight: int = 0,
     state: State = State.HOT, device: str = "cpu", models: Sequence[str] = (),
+    reload_s: float = 0.0, rate_per_s: float = 0.0,
 ) -> ResidentView:
     """A resident of `mib` MiB; `models` defaults to one catalog name equal to the key."""
     return ResidentView(
         key=key, device=device, state=state, bytes=mib * MIB, pinned=pinned,
         in_flight=in_flight, last_used=last_used, models=tuple(models) or (key,),
+        reload_s=reload_s, rate_per_s=rate_per_s,
     )
 
 

@@ -52,6 +52,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SloConfig(_Strict):
+    """`[server.slo]`: seconds per model type, first token for a stream."""
+
+    embed: float = Field(default=0.5, gt=0)
+    rerank: float = Field(default=0.5, gt=0)
+    chat: float = Field(default=4.0, gt=0)
+    complete: float = Field(default=4.0, gt=0)
+
+    def of(self, task: Task) -> float:
+        return float(getattr(self, task.value))
+
+
 class ServerConfig(_Strict):
     """`[server]`: where to listen and how long to wait."""
 
@@ -83,6 +95,13 @@ class ServerConfig(_Strict):
     # Listen on a non-local address without keys: anyone who reaches the port can call every
     # model and every admin route. Off unless the operator says so.
     open_to_anyone: bool = False
+    # Latency targets per model type; requests compete for compute by deadline (arrival + SLO)
+    # when `compute_priority` is on: generation yields between tokens to tighter work.
+    slo: SloConfig = SloConfig()
+    compute_priority: bool = True
+    # Loads run at this nice value (0-19; 0: as inference), so resident models keep serving
+    # while weights are read.
+    load_nice: int = Field(default=10, ge=0, le=19)
 
     @model_validator(mode="after")
     def _keys_or_localhost(self) -> ServerConfig:
@@ -111,6 +130,11 @@ class DeviceConfig(_Strict):
     headroom: Bytes = 256 * 1024 * 1024
     # A placeholder so cost figures are not zero out of the box: set your device's real price.
     price_per_hour: float = Field(default=1.0, ge=0)
+    # Whom to evict when a load needs room: "cost" weighs each idle model's reload seconds by
+    # the chance it is needed within `eviction_horizon_s`, per byte; "lru" is least recently
+    # used first (packserve's rule before 0.12).
+    eviction: Literal["cost", "lru"] = "cost"
+    eviction_horizon_s: float = Field(default=60.0, gt=0, le=86_400)
 
 
 class ModelSpec(_Strict):
@@ -131,6 +155,10 @@ class ModelSpec(_Strict):
     max_inputs: int = Field(default=2048, ge=1, le=100_000)  # texts: inputs, documents, prompts
     max_input_tokens: int | None = Field(default=None, ge=1)  # all of one request's inputs
     max_output_tokens: int | None = Field(default=None, ge=1)  # ceiling on max_tokens
+    # Latency target in seconds (first token of a stream, else the whole answer): the compute
+    # scheduler's deadline. Default: `[server.slo]` for the model's first task.
+    slo_s: float | None = Field(default=None, gt=0, le=86_400)
+    threads: int | None = Field(default=None, ge=1, le=1024)  # llama.cpp; default: half the cores
     trust_remote_code: bool = False
     allow_pickle: bool = False
 

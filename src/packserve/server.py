@@ -15,7 +15,7 @@ from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.engine import Engine
 from packserve.core.events import EventSink, log_event
 from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
-from packserve.core.policy import VictimPolicy, lru_by_bytes
+from packserve.core.policy import VictimPolicy, make_policy
 from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Scheduler
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
@@ -83,7 +83,7 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
         load = engine.load_spec(path, device(spec.device),
                                 engine.context(spec.context_length, facts), spec.max_batch,
                                 {"trust_remote_code": spec.trust_remote_code,
-                                 "allow_pickle": spec.allow_pickle})
+                                 "allow_pickle": spec.allow_pickle}, spec.threads or 0)
         out.append(Resolved(spec=spec, engine=engine, load=load, facts=facts))
     return out
 
@@ -128,20 +128,24 @@ def build_scheduler(
     factory: BackendFactory | None = None,
     probe: MemoryProbe | None = None,
     sinks: Sequence[EventSink] = (log_event,),
-    victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
+    victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
 ) -> Scheduler:
-    """The scheduler for `config`, with packserve's victim policy unless given one (for every
-    device, or by device name: the bench replays other engines' rules). Must be called from
-    the thread that runs the event loop."""
+    """The scheduler for `config`, with each device's victim policy from its `eviction` key
+    unless given one (for every device, or by device name: the bench replays other engines'
+    rules). Must be called from the thread that runs the event loop."""
     probe = probe or SystemProbe()
     entries = build_entries(config)  # engines are imported by their first load
     budgets = device_budgets(config, {e.load.device for e in entries}, probe)
+    if victim_policy is None:
+        victim_policy = {b.name: make_policy(dev.eviction, dev.eviction_horizon_s)
+                         for b in budgets for dev in [config.device_config(b.name)]}
     scheduler = Scheduler(
         entries, budgets, factory or backends.create_backend, probe,
         FootprintStore(config.data_path / "footprints.json"),
         load_wait_s=config.server.load_wait_s,
         failure_cooldown_s=config.server.failure_cooldown_s,
         victim_policy=victim_policy,
+        load_nice=config.server.load_nice,
         sinks=sinks,
         check_files=backends.check_weights,
     )

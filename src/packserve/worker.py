@@ -143,7 +143,8 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     telemetry = build_telemetry(config, scheduler)
     app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
                      background_start=True, keys=build_keyring(config),
-                     operator_views=config.server.operator_views)
+                     operator_views=config.server.operator_views,
+                     compute_priority=config.server.compute_priority, slo=config.server.slo)
 
     @app.post("/internal/reconfigure", include_in_schema=False)
     async def reconfigure(request: Request) -> JSONResponse:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from packserve.core.policy import (
+    MIN_RATE_SPAN_S,
+    CostAware,
     QuotaDecision,
     ResidentView,
     Verdict,
     admit_request,
+    arrival_rate,
     choose_victims,
+    lru_by_bytes,
+    make_policy,
     pins_fit,
     plan_admission,
+    policy_name,
 )
 from packserve.types import State
 from tests.factories import cold, resident
@@ -293,3 +301,90 @@ def test_admit_request(
 ) -> None:
     assert admit_request(in_flight, queued, max_concurrency, max_queue,
                          mean_service_s) == expected
+
+
+# ------------------------------------------------------------------------- cost-aware eviction
+
+def _cost(*rows: ResidentView, need: int, free: int = 0,
+          horizon_s: float = 60.0) -> tuple[str, ...] | None:
+    return CostAware(horizon_s)(list(rows), need * MIB, free * MIB)
+
+
+COST_CASES = [
+    pytest.param(
+        [resident("cheap", 100, last_used=9, reload_s=0.2, rate_per_s=0.5),
+         resident("dear", 100, last_used=1, reload_s=8.0, rate_per_s=0.5)], 100, ("cheap",),
+        id="keeps-the-model-that-costs-more-to-reload-though-lru-would-evict-it"),
+    pytest.param(
+        [resident("often", 100, last_used=1, reload_s=2.0, rate_per_s=1.0),
+         resident("rare", 100, last_used=9, reload_s=2.0, rate_per_s=0.001)], 100, ("rare",),
+        id="same-reload-the-one-unlikely-to-return-goes"),
+    pytest.param(
+        [resident("small", 100, reload_s=1.0, rate_per_s=0.05),
+         resident("big", 1000, reload_s=4.0, rate_per_s=0.05)], 100, ("big",),
+        id="per-byte-a-big-model-frees-more-for-its-cost"),
+    pytest.param(
+        [resident("a", 100, last_used=2), resident("b", 100, last_used=1)], 100, ("b",),
+        id="nothing-measured-falls-back-to-lru"),
+    pytest.param(
+        [resident("tiny", 50, reload_s=0.0, rate_per_s=0.0),
+         resident("big", 400, reload_s=1.0, rate_per_s=0.01)], 300, ("big",),
+        id="a-victim-not-needed-once-a-larger-one-is-chosen-stays"),
+    pytest.param(
+        [resident("p", 500, pinned=True), resident("busy", 500, in_flight=1),
+         resident("ok", 100, reload_s=50.0, rate_per_s=5.0)], 100, ("ok",),
+        id="never-pinned-or-busy-however-costly-the-rest"),
+    pytest.param(
+        [resident("busy", 500, in_flight=1), resident("ok", 100)], 300, None,
+        id="cannot-fit-until-busy-models-finish"),
+]
+
+
+@pytest.mark.parametrize(("rows", "need", "expected"), COST_CASES)
+def test_cost_aware_victims(rows: list[ResidentView], need: int,
+                            expected: tuple[str, ...] | None) -> None:
+    assert _cost(*rows, need=need) == expected
+
+
+def test_cost_aware_never_frees_too_little() -> None:
+    rows = [resident(f"m{i}", 10 * (i + 1), reload_s=i % 3, rate_per_s=0.1 * (i % 4))
+            for i in range(8)]
+    for need in range(0, 400, 7):
+        victims = _cost(*rows, need=need, free=5)
+        if need > 5 + 360:  # more than every idle model and the free bytes together
+            assert victims is None
+            continue
+        assert victims is not None
+        freed = 5 + sum(r.bytes for r in rows if r.key in victims) // MIB
+        assert freed >= need, (need, victims)
+
+
+def test_reuse_chance_grows_with_rate_and_horizon() -> None:
+    r = resident("m", 100, reload_s=2.0, rate_per_s=1 / 60)
+    assert CostAware(60).reuse_chance(r) == pytest.approx(1 - math.exp(-1))
+    assert CostAware(600).reuse_chance(r) > CostAware(60).reuse_chance(r)
+    assert CostAware(60).expected_cost_s(r) == pytest.approx(2.0 * (1 - math.exp(-1)))
+
+
+def test_arrival_rate_falls_while_idle() -> None:
+    arrivals = [10.0, 12.0, 14.0, 16.0]
+    assert arrival_rate([], 20.0) == 0.0
+    assert arrival_rate(arrivals, 18.0) == pytest.approx(4 / 8)
+    assert arrival_rate(arrivals, 410.0) == pytest.approx(4 / 400)
+    assert arrival_rate([5.0, 5.0, 5.0], 5.0) == pytest.approx(3 / MIN_RATE_SPAN_S)
+
+
+def test_plan_names_the_cost_policys_reasons() -> None:
+    residents = [resident("embedder", 100, reload_s=0.4, rate_per_s=1 / 90),
+                 resident("generator", 300, reload_s=6.0, rate_per_s=0.5)]
+    answer = plan_admission(cold("new", 100), residents, 400 * MIB, CostAware())
+    assert answer.victims == ("embedder",)
+    assert "embedder (100.0 MiB, idle, reload 0.4 s, next use expected in 90 s" in answer.reason
+
+
+def test_make_policy_by_name() -> None:
+    assert make_policy("lru") is lru_by_bytes
+    assert isinstance(make_policy("cost", 30), CostAware)
+    assert policy_name(make_policy("cost")) == "cost" and policy_name(lru_by_bytes) == "lru"
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("fifo")

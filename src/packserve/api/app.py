@@ -20,6 +20,8 @@ from packserve.api.openapi import install as install_openapi
 from packserve.api.routes import ROUTERS
 from packserve.api.services import Services
 from packserve.auth import KeyRing
+from packserve.config import SloConfig
+from packserve.core.compute import Gates
 from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry
 
@@ -27,10 +29,13 @@ from packserve.metrics.telemetry import Telemetry
 def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes: int = 4 << 20,
                start_scheduler: bool = True, background_start: bool = False,
                sample_interval_s: float = 1.0, keys: KeyRing | None = None,
-               operator_views: OperatorViews = "admin") -> FastAPI:
+               operator_views: OperatorViews = "admin", compute_priority: bool = True,
+               slo: SloConfig | None = None) -> FastAPI:
     """The ASGI app around `scheduler`. Its lifespan loads the pins (before serving, or while
     serving with `background_start`), samples headroom every `sample_interval_s`, and unloads
-    the models at shutdown. With `keys`, every request is checked (api.access)."""
+    the models at shutdown. With `keys`, every request is checked (api.access). Engine calls
+    compete for compute by deadline (`core.compute`) unless `compute_priority` is off; `slo`
+    gives each model type's latency target."""
 
     async def sample_forever() -> None:
         while True:
@@ -56,7 +61,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
             await scheduler.close()
 
     app = FastAPI(title="packserve", version="0.1.0", lifespan=lifespan)
-    app.state.services = Services(scheduler, telemetry)
+    app.state.services = Services(scheduler, telemetry, gates=Gates(enabled=compute_priority),
+                                  slo=slo or SloConfig())
     # Outermost last: ids first, then the caller's key, counting, the body limit, and
     # cancellation on disconnect.
     app.add_middleware(CancelOnDisconnect)

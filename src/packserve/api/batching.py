@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from packserve.core.backend import Embeddings, Runner
+from packserve.core.compute import TICKET, Ticket
 
 
 @dataclass
@@ -23,6 +24,7 @@ class _Pending:
     runner: Runner
     texts: list[str]
     future: asyncio.Future[Embeddings]
+    ticket: Ticket | None  # its request's compute deadline
     ran: asyncio.Event = field(default_factory=asyncio.Event)  # its batch's thread returned
 
 
@@ -35,7 +37,7 @@ class EmbedBatcher:
     async def embed(self, runner: Runner, texts: list[str]) -> Embeddings:
         """Embed `texts` on `runner`; the caller holds a lease on it until this returns."""
         future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
-        item = _Pending(runner, texts, future)
+        item = _Pending(runner, texts, future, TICKET.get())
         self._pending.append(item)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -71,6 +73,10 @@ class EmbedBatcher:
 
     async def _run(self, batch: list[_Pending]) -> None:
         texts = [t for p in batch for t in p.texts]
+        # The batch computes under its most urgent request's deadline. This task's context
+        # is its own: setting the ticket here reaches only the thread below.
+        tickets = [p.ticket for p in batch if p.ticket is not None]
+        TICKET.set(min(tickets, key=lambda t: t.deadline) if tickets else None)
         try:
             out = await asyncio.to_thread(batch[0].runner.embed, texts)
         except Exception as exc:

@@ -18,6 +18,7 @@ import anyio
 
 from packserve.api.batching import Batchers
 from packserve.core.backend import Embeddings, Generated, OnText, Ranking, Runner
+from packserve.core.compute import TICKET
 from packserve.core.scheduler import Lease
 
 T = TypeVar("T")
@@ -58,6 +59,9 @@ class Call:
         """Start `job` and hand its pieces over as they come. On leaving (the stream ended, or
         its client left) the engine is asked to stop, and the thread is awaited, shielded from
         cancellation, before the lease can be released."""
+        ticket = TICKET.get()
+        if ticket is not None:
+            ticket.streaming = True  # its deadline is the first token (core.compute)
         stream = Stream(self._lease, job)
         try:
             yield stream

@@ -4,6 +4,7 @@ dependency (`ServicesDep`). `create_app` makes them once and stores them on `app
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -15,7 +16,8 @@ from packserve.api.asgi import REQUEST_ID
 from packserve.api.batching import Batchers
 from packserve.api.calls import Call, off_loop
 from packserve.auth import KeyLimits
-from packserve.config import ModelSpec
+from packserve.config import ModelSpec, SloConfig
+from packserve.core.compute import TICKET, Gates
 from packserve.core.scheduler import Lease, Scheduler
 from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
@@ -41,13 +43,19 @@ class Services:
     telemetry: Telemetry
     batchers: Batchers = field(default_factory=Batchers)
     limits: KeyLimits = field(default_factory=KeyLimits)  # each API key's own limits
+    gates: Gates = field(default_factory=Gates)  # compute turns by deadline, per device
+    slo: SloConfig = field(default_factory=SloConfig)  # per model type; a model's slo_s wins
 
     @contextlib.asynccontextmanager
     async def lease(self, model: str, task: Task, inputs: Inputs | None = None
                     ) -> AsyncIterator[Call]:
         """Lease `model` for `task` on behalf of the request being served, and use it through
         the `Call` this yields. `inputs` are held to the model's max_inputs and
-        max_input_tokens. Raises PackserveErrors (see `api.errors`)."""
+        max_input_tokens. Raises PackserveErrors (see `api.errors`).
+
+        The engine calls made through the `Call` compete for their device's compute by
+        deadline: the request's arrival here plus its SLO (`core.compute`)."""
+        arrived = time.monotonic()
         caller = CALLER.get()
         spec = self.spec_of(model)
         inputs = inputs or Inputs(())
@@ -63,11 +71,17 @@ class Services:
                     model, task, request_id=REQUEST_ID.get(),
                     key=caller.name if caller else "",
                     weight=caller.weight if caller else 1.0) as lease:
+                gate = self.gates.of(lease.runner.device)
+                ticket = gate.ticket(model, spec.slo_s or self.slo.of(task), arrived)
+                token = TICKET.set(ticket)  # travels into the engine's worker thread
                 try:
                     await _check_input_tokens(lease, spec, inputs)
                     yield Call(lease, self.batchers)
                 finally:
                     used = lease.prompt_tokens + lease.completion_tokens
+                    self.telemetry.count_compute_wait(model, task, ticket.waited_s)
+                    with contextlib.suppress(ValueError):  # closed from another context
+                        TICKET.reset(token)
         finally:
             if caller is not None:
                 self.limits.release(caller, used)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from packserve.core.backend import Backend, Embeddings, LoadSpec, Ranking
+from packserve.core.compute import turn
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong
@@ -103,7 +104,7 @@ class SentenceTransformerBackend(_TorchBackend):
     def embed(self, texts: Sequence[str]) -> Embeddings:
         import numpy as np
 
-        with self._lock:
+        with self._lock, turn():
             tokens = self._count_tokens(texts, "input")
             vectors = self._model.encode(list(texts), batch_size=self.spec.max_batch,
                                          convert_to_numpy=True, show_progress_bar=False)
@@ -112,7 +113,7 @@ class SentenceTransformerBackend(_TorchBackend):
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         import numpy as np
 
-        with self._lock:
+        with self._lock, turn():
             tokens = sum(self._count_tokens([query], "query")) + sum(
                 self._count_tokens(documents, "documents"))
             vectors = self._model.encode([query, *documents], batch_size=self.spec.max_batch,
@@ -135,7 +136,7 @@ class CrossEncoderBackend(_TorchBackend):
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         import numpy as np
 
-        with self._lock:
+        with self._lock, turn():
             tokens = sum(self._count_tokens([query], "query")) + sum(
                 self._count_tokens(documents, "documents"))
             scores = self._model.predict([(query, d) for d in documents],

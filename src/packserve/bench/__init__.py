@@ -20,7 +20,7 @@ from packserve.bench.common import Options, console, write_results
 from packserve.bench.report import append_markdown
 
 SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak",
-             "pool")
+             "pool", "sim")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-fraction", type=float, default=0.75,
                         help="trace: memory budget as a fraction of the models' sum")
     parser.add_argument("--seed", type=int, default=1, help="trace, pool: random seed")
+    parser.add_argument("--policies", help="trace: which victim policies to run, of "
+                        "cost,lru,ray,ollama (default all four)")
+    parser.add_argument("--repeat", type=int, help="trace: runs per policy; the tables show "
+                        "the median run (default 1)")
     parser.add_argument("--slo", default="embed=0.5,rerank=0.5,chat=4,complete=4",
                         help="trace, pool: per-type latency targets in seconds")
+    parser.add_argument("--calibrate", action="store_const", const="1",
+                        help="sim: measure the default catalog on this machine first")
+    parser.add_argument("--validate", metavar="TRACE_JSON",
+                        help="sim: replay a `bench trace` run's trace.json, sim beside real")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -57,7 +65,9 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     docs = Path(args.docs) if args.docs else (out / "benchmarks.md" if args.quick
                                                else Path("docs/benchmarks.md"))
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
-                                                 "budget_fraction", "seed", "slo")
+                                                 "budget_fraction", "seed", "slo",
+                                                 "policies", "repeat", "calibrate",
+                                                 "validate")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,

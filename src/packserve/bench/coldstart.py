@@ -6,16 +6,22 @@ posix_fadvise(DONTNEED) (what an unprivileged process can do; if the file system
 the read throughput shows it). The split: `read` is the measured cold sequential read of the
 same files (the floor), `load` is the rest of packserve's load (its residency load_seconds
 minus the read), `first inference` is the rest of the first request.
+
+Loads beside traffic: the largest model is loaded while one client keeps asking the resident
+embedder, once with the load threads at nice 0 and once at packserve's default `load_nice`
+(10): the load's seconds and the embedder's latency during it, side by side.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from packserve.bench.common import (
     CHAT_MODEL,
@@ -24,6 +30,7 @@ from packserve.bench.common import (
     Goal,
     Options,
     Report,
+    Server,
     median,
     model_files,
     model_path,
@@ -129,4 +136,55 @@ def run(opts: Options) -> Report:
     }
     report.goals.append(Goal(f"coldstart: switch {b} -> {a}, latency after switch / after same",
                              switch["ratio"], 1.1, "<=", "should be nothing: 1.0"))
+    beside = loads_beside_traffic(opts, 1 if opts.quick else 3)
+    report.results["loads_beside_traffic"] = beside
+    report.results["tables"].append({
+        "columns": ["load_nice", "load of", "load s (median)", "embed p50 s during loads",
+                    "embed p95 s during loads", "embed p50 s alone"],
+        "rows": [[r["load_nice"], r["model"], r["load_s"], r["embed_p50_s"], r["embed_p95_s"],
+                  r["embed_alone_p50_s"]] for r in beside]})
     return report
+
+
+def loads_beside_traffic(opts: Options, repeats: int) -> list[dict[str, Any]]:
+    """For load_nice 0 and 10: load the largest model `repeats` times while one client asks
+    the resident embedder; the loads' seconds and the embedder's latency meanwhile."""
+    big = EMBED_MODEL if opts.quick else COMPLETE_MODEL
+    out = []
+    for nice in (0, 10):
+        config = write_config(opts.out / "work" / f"coldstart-nice{nice}.toml", opts,
+                              server_extra=f"load_nice = {nice}")
+        models = sorted({EMBED_MODEL, big})
+        with run_server(packserve_argv("--config", str(config), "--models", ",".join(models)),
+                        log=opts.out / "work" / f"coldstart-nice{nice}.log") as server, \
+                server.client() as c:
+            alone = [_timed(c, EMBED_MODEL, seed=k) for k in range(10)]
+            during: list[float] = []
+            loads = []
+            for _ in range(repeats):
+                c.post(f"/v1/residency/{big}/unload")
+                if big == EMBED_MODEL:  # --quick: the embedder reloads itself; nothing beside
+                    c.post(f"/v1/residency/{big}/load").raise_for_status()
+                    loads.append(_load_seconds(c, big))
+                    continue
+                stop = threading.Event()
+                asker = threading.Thread(target=_ask_until, args=(server, stop, during))
+                asker.start()
+                try:
+                    c.post(f"/v1/residency/{big}/load").raise_for_status()
+                finally:
+                    stop.set()
+                    asker.join(60)
+                loads.append(_load_seconds(c, big))
+        out.append({"load_nice": nice, "model": big, "load_s": median(loads), "loads_s": loads,
+                    "embed_alone_p50_s": median(alone),
+                    "embed_p50_s": median(during) if during else None,
+                    "embed_p95_s": float(np.percentile(during, 95)) if during else None})
+    return out
+
+
+def _ask_until(server: Server, stop: threading.Event, latencies: list[float]) -> None:
+    """One client asking the embedder, one request after another, until `stop`."""
+    with server.client() as c:
+        while not stop.is_set():
+            latencies.append(_timed(c, EMBED_MODEL, seed=len(latencies)))

@@ -138,13 +138,14 @@ def catalog_models_toml() -> str:
 
 def write_config(path: Path, opts: Options, *, memory_budget: str = "auto",
                  headroom: str = "256MiB", log_level: str = "warning",
-                 keys_file: str = "") -> Path:
+                 keys_file: str = "", server_extra: str = "") -> Path:
     """A config with the built-in catalog, `opts.data_dir` and an explicit budget and headroom
-    (and API keys from `keys_file`, relative to `path`'s folder, when given)."""
+    (and API keys from `keys_file`, relative to `path`'s folder, when given; `server_extra`:
+    more `[server]` lines)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f'[server]\ndata_dir = "{opts.data_dir}"\nlog_level = "{log_level}"\n'
-        f'load_wait_s = 300\nkeys_file = "{keys_file}"\n\n'
+        f'load_wait_s = 300\nkeys_file = "{keys_file}"\n{server_extra}\n'
         f'[devices.cpu]\nmemory_budget = "{memory_budget}"\nheadroom = "{headroom}"\n\n'
         + catalog_models_toml(), "utf-8")
     return path

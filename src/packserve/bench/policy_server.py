@@ -1,8 +1,9 @@
 """`packserve serve` with another victim policy, for `packserve bench trace` only.
 
 Run as `python -m packserve.bench.policy_server --config FILE --policy SPEC --port P`.
-SPEC: `lru_by_bytes` (packserve's rule), `lru_by_count:N` (Ray Serve multiplexing),
-`keep_alive:DEFAULT_S[,NAME=S...]` (Ollama's shortest keep-alive first). Everything else is
+SPEC: `cost[:HORIZON_S]` (packserve's rule), `lru_by_bytes` (packserve 0.11's),
+`lru_by_count:N` (Ray Serve multiplexing), `keep_alive:DEFAULT_S[,NAME=S...]` (Ollama's
+shortest keep-alive first). Everything else is
 what `packserve serve`'s worker builds (`server.build_scheduler`, the same app and telemetry),
 in one process.
 """
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 
 from packserve.core.policy import (
+    CostAware,
     VictimPolicy,
     lru_by_bytes,
     lru_by_count,
@@ -24,6 +26,8 @@ def parse_policy(spec: str) -> VictimPolicy:
     name, _, arg = spec.partition(":")
     if name == "lru_by_bytes":
         return lru_by_bytes
+    if name == "cost":
+        return CostAware(float(arg)) if arg else CostAware()
     if name == "lru_by_count":
         return lru_by_count(int(arg))
     if name == "keep_alive":
@@ -46,7 +50,8 @@ async def _serve(config_path: str, port: int, policy: VictimPolicy) -> None:
     # Engines imported before the trace, so that no policy pays an import in its first load.
     prepare({m.backend for m in config.models})
     app = create_app(scheduler, build_telemetry(config, scheduler),
-                     max_request_bytes=config.server.max_request_bytes)
+                     max_request_bytes=config.server.max_request_bytes,
+                     compute_priority=config.server.compute_priority, slo=config.server.slo)
     await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                         log_level="warning")).serve()
 

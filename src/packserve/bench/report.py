@@ -97,3 +97,24 @@ def plot_latency_cdfs(path: Path, latencies: Mapping[str, Mapping[str, Sequence[
     fig.tight_layout()
     fig.savefig(path, dpi=70)
     plt.close(fig)
+
+
+def plot_loads_over_time(path: Path, loads: Mapping[str, Sequence[float]],
+                         duration_s: float) -> None:
+    """Loads so far against time, one line per policy: thrash shows as a steep line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    for policy, times in loads.items():
+        t = sorted(times)
+        ax.step([0.0, *t, duration_s], [0, *range(1, len(t) + 1), len(t)], where="post",
+                label=policy)
+    ax.set_xlabel("seconds into the trace")
+    ax.set_ylabel("loads so far")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)

@@ -33,13 +33,15 @@ class LoadSpec:
     `key` is packserve's one definition of "one load": the engine, the weights, the device and
     the settings that change what is loaded. Catalog names whose specs have equal keys share
     one load (the scheduler, the planner and the audit all count it once). `max_batch` is a
-    per-entry limit, not part of the key: a shared load runs with the first entry's."""
+    per-entry limit, not part of the key: a shared load runs with the first entry's; so is
+    `threads`."""
 
     backend: str
     path: Path
     device: str  # "cpu" or "cuda:N", never "auto"
     context_length: int
     max_batch: int = 64
+    threads: int = 0  # compute threads for engines that take a count (llama.cpp); 0: all cores
     trust_remote_code: bool = False
     allow_pickle: bool = False
 
@@ -157,6 +159,10 @@ class Runner:
     @property
     def name(self) -> str:
         return self._backend.name
+
+    @property
+    def device(self) -> str:
+        return self._backend.spec.device
 
     @property
     def max_batch(self) -> int:

@@ -86,11 +86,12 @@ class Engine:
             check_header(load.path)
 
     def load_spec(self, path: Path, device: str, context: int, max_batch: int,
-                  options: dict[str, bool]) -> LoadSpec:
+                  options: dict[str, bool], threads: int = 0) -> LoadSpec:
         """The load an entry asks for; options this engine ignores are left out of it."""
         def option(name: str) -> bool:
             return name in self.load_options and options.get(name, False)
 
         return LoadSpec(backend=self.name, path=path, device=device, context_length=context,
-                        max_batch=max_batch, trust_remote_code=option("trust_remote_code"),
+                        max_batch=max_batch, threads=threads,
+                        trust_remote_code=option("trust_remote_code"),
                         allow_pickle=option("allow_pickle"))

@@ -44,6 +44,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -75,14 +76,18 @@ from packserve.core.events import (
 from packserve.core.fairness import FairQueue
 from packserve.core.memory import MemoryProbe
 from packserve.core.policy import (
+    RATE_WINDOW,
     Admission,
+    CostAware,
     ResidentView,
     Verdict,
     VictimPolicy,
     admit_request,
-    lru_by_bytes,
+    arrival_rate,
+    explain_victim,
     pins_fit,
     plan_admission,
+    policy_name,
 )
 from packserve.errors import (
     ConfigError,
@@ -241,6 +246,8 @@ class _Resident:
     runner: Runner | None = None  # what leases lend while HOT; one per load
     leases: int = 0
     last_used: float = 0.0
+    # when its last requests arrived (scheduler clock): the victim policy's reuse estimate
+    arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))
     load_seconds: float | None = None
     error: str | None = None
     failed_until: float = 0.0
@@ -389,9 +396,10 @@ class Scheduler:
         load_wait_s: float = 120.0,
         failure_cooldown_s: float = 30.0,
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
-        victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
+        victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
         check_files: Callable[[LoadSpec], None] | None = None,
         sinks: Sequence[EventSink] = (log_event,),
+        load_nice: int = 0,
     ) -> None:
         self._factory = factory
         self._probe = probe
@@ -402,11 +410,13 @@ class Scheduler:
         self._load_wait_s = load_wait_s
         self._cooldown_s = failure_cooldown_s
         self._pin_retry_first_s, self._pin_retry_max_s = pin_retry_s
-        # packserve's rule, or one per device; the bench swaps in other engines' rules.
+        # packserve's rule, or one per device (the config's `eviction`); the bench swaps in
+        # other engines' rules.
         self._policies: Mapping[str, VictimPolicy] | None = (
             victim_policy if isinstance(victim_policy, Mapping) else None)
         self._default_policy: VictimPolicy = (
-            lru_by_bytes if isinstance(victim_policy, Mapping) else victim_policy)
+            victim_policy if victim_policy is not None and not isinstance(victim_policy, Mapping)
+            else CostAware())
         self._check_files = check_files  # before every load; the server checks headers
         self._sinks = list(sinks)
         self._devices = {d.name: d for d in devices}
@@ -419,8 +429,11 @@ class Scheduler:
         # Loads, unloads and footprint writes run here, never in the default pool that
         # inference uses: 32 reranks in flight must not starve an unload holding a device lock.
         # One device lock admits one load or unload at a time, so a worker per device suffices.
+        # They run at `load_nice` (nice is per thread on Linux): resident models keep serving
+        # while weights are read; `packserve bench coldstart` measures what it costs a load.
         self._executor = ThreadPoolExecutor(max_workers=max(2, len(self._devices)),
-                                            thread_name_prefix="packserve-load")
+                                            thread_name_prefix="packserve-load",
+                                            initializer=functools.partial(_be_nice, load_nice))
         self._background: set[asyncio.Task[None]] = set()  # pin retries, retirements
         self._pin_retries: dict[str, _PinRetry] = {}
         self._reconfiguring = asyncio.Lock()
@@ -495,6 +508,7 @@ class Scheduler:
         res = model.resident
         device = res.load.device
         t_enter = self._clock()
+        res.arrivals.append(t_enter)
         try:
             await self._take_slot(model, key, weight)
         except (QueueFull, asyncio.CancelledError) as exc:
@@ -701,7 +715,7 @@ class Scheduler:
                     # One at a time, then plan again: a request may lease the next victim
                     # while this one unloads.
                     await self._to_cold(self._residents[admission.victims[0]],
-                                        f"make room for {res.label}")
+                                        f"make room for {res.label}", cause="make_room")
                     continue
                 res.state = State.LOADING
                 t_load = self._clock()
@@ -728,7 +742,8 @@ class Scheduler:
                         self._check_wanted(res)
                         victim = self._residents.get(key)
                         if victim is not None and self._view(victim).evictable:
-                            await self._to_cold(victim, f"free memory to retry {res.label}")
+                            await self._to_cold(victim, f"free memory to retry {res.label}",
+                                                cause="memory_retry")
 
     def _failed(self, res: _Resident, reason: str, seconds: float, *,
                 twice: bool = False) -> ModelUnavailable:
@@ -817,12 +832,15 @@ class Scheduler:
     # ----------------------------------------------------------------- unloading
 
     async def _to_cold(self, res: _Resident, reason: str | None,
-                       backend: Backend | None = None) -> None:
+                       backend: Backend | None = None, *, cause: str = "") -> None:
         """The one way weights leave a device: HOT (or LOADING, with the `backend` that loaded)
         -> UNLOADING -> COLD, or FAILED if quarantined. Must hold the device lock; nothing may
         hold a lease on a HOT one. Emits an EvictEvent with `reason` unless it is None (shutdown,
-        a quota)."""
+        a quota); when the victim policy chose it (`cause` make_room, memory_retry,
+        budget_shrank), the event carries the policy's explanation."""
         backend = backend or res.backend
+        policy = self._policy(res.load.device)
+        why = explain_victim(policy, self._view(res)) if cause else ""
         assert backend is not None and (res.state is State.LOADING or res.leases == 0)
         res.backend = res.runner = None
         res.state = State.UNLOADING  # holds its bytes until the engine has let go
@@ -839,7 +857,9 @@ class Scheduler:
             self._signal_memory()
         if reason is not None:
             self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=res.bytes,
-                                  seconds=self._clock() - t0, reason=reason))
+                                  seconds=self._clock() - t0, reason=reason,
+                                  cause=cause or _CAUSE_OF.get(reason, "retired"),
+                                  policy=policy_name(policy) if cause else "", why=why))
 
     async def _retire(self, res: _Resident, reason: str) -> None:
         """Unload `res` once nothing uses it, because it was quarantined or removed from the
@@ -1189,7 +1209,8 @@ class Scheduler:
                     log.warning("%s is %s over its new budget until busy models finish",
                                 device, format_bytes(over))
                     return
-                await self._to_cold(self._residents[victims[0]], f"{device}'s budget shrank")
+                await self._to_cold(self._residents[victims[0]], f"{device}'s budget shrank",
+                                    cause="budget_shrank")
 
     # ----------------------------------------------------------------- views
 
@@ -1262,7 +1283,8 @@ class Scheduler:
             key=res.key, device=res.load.device, state=res.state,
             bytes=res.bytes,
             pinned=self._is_pinned(res), in_flight=res.leases, last_used=res.last_used,
-            models=tuple(res.models))
+            models=tuple(res.models), reload_s=res.load_seconds or 0.0,
+            rate_per_s=arrival_rate(res.arrivals, self._clock()))
 
     def _admission(self, res: _Resident) -> Admission:
         device = self._devices[res.load.device]
@@ -1286,6 +1308,19 @@ class Scheduler:
                 sink(event)
             except Exception:  # an exporter bug must not break scheduling
                 log.exception("event sink failed on %s", event)
+
+
+def _be_nice(nice: int) -> None:
+    """Lower this thread's CPU priority (Linux: a thread id is a process id to setpriority)."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError) as exc:  # not Linux, or not allowed: loads run as before
+        log.debug("could not lower the load threads' priority: %s", exc)
+
+
+_CAUSE_OF = {"unloaded by operator": "operator"}  # causes the victim policy had no part in
 
 
 class _Abandoned(Exception):

@@ -78,6 +78,15 @@ class Telemetry:
         self._residency_events = Counter(
             "packserve_model_events", "Residency events: load, offload, restore, evict, failure",
             ["model", "event"], registry=self.registry)
+        self._evictions = Counter(
+            "packserve_evictions", "Evictions by cause (make_room, memory_retry, budget_shrank, "
+            "operator, retired) and the victim policy that chose the victim (cost, lru; none "
+            "when no policy chose); the policy's reasons are in /v1/residency's recent events",
+            ["model", "device", "cause", "policy"], registry=self.registry)
+        self._compute_wait = Counter(
+            "packserve_compute_wait_seconds", "Seconds requests' engine calls waited for their "
+            "device's compute turn (other models computing, earliest deadline first)",
+            ["model", "task"], registry=self.registry)
         self._responses = Counter(
             "packserve_http_responses", "HTTP responses by route and status code, including "
             "requests refused before reaching a model", ["route", "code"], registry=self.registry)
@@ -106,10 +115,16 @@ class Telemetry:
             self._remember(event)
         elif isinstance(event, EvictEvent):
             self._residency_events.labels(event.model, "evict").inc()
+            self._evictions.labels(event.model, event.device, event.cause,
+                                   event.policy or "none").inc()
             self._remember(event)
         elif isinstance(event, LoadFailedEvent):
             self._residency_events.labels(event.model, "failure").inc()
             self._remember(event)
+
+    def count_compute_wait(self, model: str, task: Task, seconds: float) -> None:
+        """Called by the HTTP layer once per request that held a lease."""
+        self._compute_wait.labels(model, task.value).inc(seconds)
 
     def count_response(self, route: str, code: int) -> None:
         """Called by the HTTP layer once per response."""

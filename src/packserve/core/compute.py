@@ -1,0 +1,168 @@
+"""Who computes when several models contend for one device: the earliest deadline first.
+
+Memory decides which models are loaded; this decides which of them runs. Engines compute in
+worker threads, and on a CPU box two engines running at once share the same cores: an embedding
+that takes 40 ms alone takes a second behind a generation of another model. So each device has a
+`ComputeGate`, and each engine call made for a request holds its device's turn while it
+computes. A request's deadline is its arrival plus its model's SLO (by default 0.5 s for embed
+and rerank, 4 s for chat and complete: `[server.slo]`, or a model's `slo_s`). When the turn is
+free, the waiter with the earliest deadline gets it (EDF). A generation gives its turn back
+between tokens whenever a request with an earlier deadline waits, so an embedding waits at most
+one token of somebody else's generation; generations of equal urgency take turns token by token
+(Aegaeon, SOSP'25, schedules models on one GPU at token granularity for the same reason).
+
+A streamed generation's deadline is its first token; once that is out, each later token's
+deadline is one SLO after it was asked for, so it yields to fresh work but is not starved.
+
+How requests reach it: the HTTP layer sets `TICKET` (a context variable, so it travels into
+the worker thread with `asyncio.to_thread`) before calling the engine; backends wrap their
+compute in `turn()` and call `between_tokens()` after each token. Outside a request (loads,
+tests of a backend alone) both do nothing. Backends take their own lock before the turn, and
+nothing waits for an engine's lock while holding a turn, so the two cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's claim on its device's compute."""
+
+    gate: ComputeGate
+    model: str
+    deadline: float  # the gate's clock
+    slo_s: float
+    streaming: bool = False  # after its first token the deadline moves (see the module doc)
+    tokens: int = 0
+    waited_s: float = 0.0  # time spent waiting for the turn, first wait included
+    depth: int = 0  # nested turns of the same ticket (a backend method calling another)
+
+
+TICKET: ContextVar[Ticket | None] = ContextVar("packserve_compute_ticket", default=None)
+
+
+class ComputeGate:
+    """One device's turn: held by one request's engine call at a time, earliest deadline first.
+
+    Thread-safe; engine threads block in `acquire`. `enabled=False` lets every call through at
+    once (the engines then share the cores as the OS schedules them: packserve 0.11's way).
+    """
+
+    def __init__(self, device: str, *, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.device = device
+        self.enabled = enabled
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._holder: Ticket | None = None
+        self._waiting: list[tuple[float, int, Ticket]] = []  # heap by deadline, then arrival
+        self._seq = itertools.count()
+        self.yields = 0  # turns handed to earlier deadlines between tokens
+
+    def ticket(self, model: str, slo_s: float, arrived: float | None = None) -> Ticket:
+        start = self.clock() if arrived is None else arrived
+        return Ticket(gate=self, model=model, deadline=start + slo_s, slo_s=slo_s)
+
+    def acquire(self, t: Ticket) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            if self._holder is t:
+                t.depth += 1
+                return
+            self._wait_turn(t)
+            t.depth = 1
+
+    def release(self, t: Ticket) -> None:
+        if not self.enabled:
+            return
+        with self._cond:
+            if self._holder is not t:
+                return
+            t.depth -= 1
+            if t.depth == 0:
+                self._holder = None
+                self._cond.notify_all()
+
+    def pass_turn(self, t: Ticket) -> None:
+        """Between tokens: give the turn to a waiter with an earlier deadline, then wait for it
+        again. Costs one lock when nobody more urgent waits."""
+        if not self.enabled:
+            return
+        with self._cond:
+            if self._holder is not t or not self._waiting or self._waiting[0][0] >= t.deadline:
+                return
+            self.yields += 1
+            self._holder = None
+            self._cond.notify_all()
+            self._wait_turn(t)
+
+    def _wait_turn(self, t: Ticket) -> None:
+        """Queue `t` by deadline and return holding the turn. Call with the condition held."""
+        entry = (t.deadline, next(self._seq), t)
+        heapq.heappush(self._waiting, entry)
+        t0 = self.clock()
+        while self._holder is not None or self._waiting[0] is not entry:
+            self._cond.wait()
+        heapq.heappop(self._waiting)
+        self._holder = t
+        t.waited_s += self.clock() - t0
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+
+@dataclass
+class Gates:
+    """A gate per device, made on first use; `enabled` is `[server] compute_priority`."""
+
+    enabled: bool = True
+    _gates: dict[str, ComputeGate] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def of(self, device: str) -> ComputeGate:
+        with self._lock:
+            gate = self._gates.get(device)
+            if gate is None:
+                gate = self._gates[device] = ComputeGate(device, enabled=self.enabled)
+            return gate
+
+    def all(self) -> list[ComputeGate]:
+        with self._lock:
+            return list(self._gates.values())
+
+
+@contextlib.contextmanager
+def turn() -> Iterator[None]:
+    """Hold the current request's compute turn (nothing outside a request)."""
+    t = TICKET.get()
+    if t is None:
+        yield
+        return
+    t.gate.acquire(t)
+    try:
+        yield
+    finally:
+        t.gate.release(t)
+
+
+def between_tokens() -> None:
+    """Called by a generating engine after each token it hands out, holding its turn."""
+    t = TICKET.get()
+    if t is None:
+        return
+    t.tokens += 1
+    if t.streaming:  # the first token was the deadline; the rest yield to fresh work
+        t.deadline = t.gate.clock() + t.slo_s
+    t.gate.pass_turn(t)
