@@ -201,6 +201,7 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
     """The label and the policy_server spec of the policy `name` of `--policies`."""
     return {
         "cost": ("packserve (cost-aware)", "cost"),
+        "cost_no_priority": ("packserve (cost-aware, compute priority off)", "cost"),
         "lru": ("packserve 0.11 (LRU by bytes)", "lru_by_bytes"),
         "ray": (f"Ray Serve rule (LRU, max {max_models} models)", f"lru_by_count:{max_models}"),
         "ollama": ("Ollama rule (shortest keep-alive first)",
@@ -208,7 +209,7 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
     }[name]
 
 
-POLICIES = ("cost", "lru", "ray", "ollama")
+POLICIES = ("cost", "lru", "ray", "ollama")  # the default set; also cost_no_priority
 
 
 def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
@@ -271,9 +272,10 @@ def run(opts: Options) -> Report:
     repeat = max(1, int(x.get("repeat", 1)))
     # --quick: packserve's rule against its predecessor only, to keep it short.
     chosen = x.get("policies", "cost,lru" if opts.quick else ",".join(POLICIES)).split(",")
-    unknown = [p for p in chosen if p not in POLICIES]
+    unknown = [p for p in chosen if p not in (*POLICIES, "cost_no_priority")]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}, "
+                         f"cost_no_priority")
     slo = {k: float(v) for k, v in (p.split("=") for p in
                                     x.get("slo", "embed=0.5,rerank=0.5,chat=4,complete=4")
                                     .split(","))}
@@ -298,7 +300,12 @@ def run(opts: Options) -> Report:
     with progress(opts, "trace", len(trace) * len(chosen) * repeat) as advance:
         for name in chosen:
             label, spec = _policy_spec(name, max_models)
-            runs = [_one_run(opts, config, spec, trace, slo, keys, work, advance)
+            used = config
+            if name == "cost_no_priority":  # engines share the cores as the OS runs them
+                used = write_config(work / "trace-no-priority.toml", opts,
+                                    memory_budget=str(capacity + HEADROOM),
+                                    headroom=str(HEADROOM), server_extra="compute_priority = false")
+            runs = [_one_run(opts, used, spec, trace, slo, keys, work, advance)
                     for _ in range(repeat)]
             per_policy[label] = _median_run(runs)
     sequence = [first[r.model] for r in trace]
