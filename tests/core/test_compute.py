@@ -4,6 +4,7 @@ tokens. Threads coordinate through events; nothing here depends on how long anyt
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 from collections.abc import Callable
 
@@ -107,7 +108,7 @@ def test_a_generation_keeps_its_turn_when_only_later_deadlines_wait() -> None:
             events.append("b")
 
     a = _in_thread(generate, first)
-    _wait_until(lambda: gate._holder is first)
+    _wait_until(lambda: gate.busy_units == 1)
     b = _in_thread(other, later)
     _wait_until(lambda: gate.waiting == 1)
     waiting.set()
@@ -137,8 +138,8 @@ def test_turns_nest_and_nothing_is_gated_outside_a_request() -> None:
     token = TICKET.set(t)
     try:
         with turn(), turn():
-            assert gate._holder is t
-        assert gate._holder is None
+            assert gate.busy_units == 1
+        assert gate.busy_units == 0
     finally:
         TICKET.reset(token)
     with turn():  # no ticket: a load, or a backend tested alone
@@ -159,3 +160,33 @@ def test_a_disabled_gate_lets_calls_run_together() -> None:
         thread.join(5)
     assert not inside.broken
     assert gates.of("cpu") is gate and gates.all() == [gate]
+
+
+def test_one_thread_decodes_share_the_cores_and_an_embedding_waits_for_both_tokens() -> None:
+    gate = ComputeGate("cpu", capacity=2, clock=Clock())
+    inside = threading.Barrier(3, timeout=5)
+    release = threading.Event()
+    events: list[str] = []
+
+    def decode(name: str) -> None:
+        with turn(units=1):
+            inside.wait()  # both decodes hold a core at once
+            release.wait(5)
+            between_tokens()  # the embedding waits for all of the device: both yield
+            events.append(f"{name} token 2")
+
+    def embed() -> None:
+        with turn():  # all units
+            events.append("embed")
+
+    decoders = [_in_thread(functools.partial(decode, n), gate.ticket(n, slo_s=4.0))
+                for n in ("chat", "complete")]
+    inside.wait()
+    assert gate.busy_units == 2
+    e = _in_thread(embed, gate.ticket("embed", slo_s=0.5))
+    _wait_until(lambda: gate.waiting == 1)
+    release.set()
+    for thread in (*decoders, e):
+        thread.join(5)
+    assert events[0] == "embed" and sorted(events[1:]) == ["chat token 2", "complete token 2"]
+    assert gate.busy_units == 0 and gate.yields == 2

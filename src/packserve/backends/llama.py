@@ -113,7 +113,7 @@ class LlamaCppBackend(Backend):
             "seed": None if params.seed is None else params.seed % 2**32,
             "grammar": grammar,
         }
-        with self._lock, turn():
+        with self._lock, turn(units=int(self._llm.n_threads)):
             try:
                 if on_text is None:
                     out = call(stream=False, **kwargs)

@@ -3,13 +3,14 @@
 Memory decides which models are loaded; this decides which of them runs. Engines compute in
 worker threads, and on a CPU box two engines running at once share the same cores: an embedding
 that takes 40 ms alone takes a second behind a generation of another model. So each device has a
-`ComputeGate`, and each engine call made for a request holds its device's turn while it
-computes. A request's deadline is its arrival plus its model's SLO (by default 0.5 s for embed
-and rerank, 4 s for chat and complete: `[server.slo]`, or a model's `slo_s`). When the turn is
-free, the waiter with the earliest deadline gets it (EDF). A generation gives its turn back
-between tokens whenever a request with an earlier deadline waits, so an embedding waits at most
-one token of somebody else's generation; generations of equal urgency take turns token by token
-(Aegaeon, SOSP'25, schedules models on one GPU at token granularity for the same reason).
+`ComputeGate` of as many units as it has cores (a GPU: one), and each engine call made for a
+request holds as many units as it runs threads while it computes. A request's deadline is its
+arrival plus its model's SLO (by default 0.5 s for embed and rerank, 4 s for chat and complete:
+`[server.slo]`, or a model's `slo_s`). Units go to the waiter with the earliest deadline first
+(EDF). A generation gives its units back between tokens whenever a request with an earlier
+deadline cannot start, so an embedding waits at most one token of somebody else's generation;
+generations of equal urgency take turns token by token (Aegaeon, SOSP'25, schedules models on
+one GPU at token granularity for the same reason).
 
 A streamed generation's deadline is its first token; once that is out, each later token's
 deadline is one SLO after it was asked for, so it yields to fresh work but is not starved.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,19 +53,26 @@ TICKET: ContextVar[Ticket | None] = ContextVar("packserve_compute_ticket", defau
 
 
 class ComputeGate:
-    """One device's turn: held by one request's engine call at a time, earliest deadline first.
+    """One device's compute: `capacity` units (a CPU's usable cores; 1 for a GPU), lent to
+    requests' engine calls earliest deadline first.
 
-    Thread-safe; engine threads block in `acquire`. `enabled=False` lets every call through at
-    once (the engines then share the cores as the OS schedules them: packserve 0.11's way).
+    An engine call asks for as many units as it runs threads (a torch encoder all of them,
+    llama.cpp its decode threads), so two one-thread decodes still run side by side on two
+    cores while an embedding that wants both waits for both to reach a token. The waiter with
+    the earliest deadline is served first and nobody overtakes it, even one that would fit: a
+    large call is never starved by small ones. Thread-safe; engine threads block in `acquire`.
+    `enabled=False` lets every call through at once (the engines then share the cores as the
+    OS schedules them: packserve 0.11's way).
     """
 
-    def __init__(self, device: str, *, enabled: bool = True,
+    def __init__(self, device: str, *, capacity: int = 1, enabled: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.device = device
+        self.capacity = max(1, capacity)
         self.enabled = enabled
         self.clock = clock
         self._cond = threading.Condition()
-        self._holder: Ticket | None = None
+        self._held: dict[Ticket, int] = {}  # holder -> units
         self._waiting: list[tuple[float, int, Ticket]] = []  # heap by deadline, then arrival
         self._seq = itertools.count()
         self.yields = 0  # turns handed to earlier deadlines between tokens
@@ -72,55 +81,66 @@ class ComputeGate:
         start = self.clock() if arrived is None else arrived
         return Ticket(gate=self, model=model, deadline=start + slo_s, slo_s=slo_s)
 
-    def acquire(self, t: Ticket) -> None:
+    def acquire(self, t: Ticket, units: int = 0) -> None:
+        """Hold `units` of compute (0: all of them) for `t`; nested calls of a holder nest."""
         if not self.enabled:
             return
         with self._cond:
-            if self._holder is t:
+            if t in self._held:
                 t.depth += 1
                 return
-            self._wait_turn(t)
+            self._wait_turn(t, self._units(units))
             t.depth = 1
 
     def release(self, t: Ticket) -> None:
         if not self.enabled:
             return
         with self._cond:
-            if self._holder is not t:
+            if t not in self._held:
                 return
             t.depth -= 1
             if t.depth == 0:
-                self._holder = None
+                del self._held[t]
                 self._cond.notify_all()
 
     def pass_turn(self, t: Ticket) -> None:
-        """Between tokens: give the turn to a waiter with an earlier deadline, then wait for it
-        again. Costs one lock when nobody more urgent waits."""
+        """Between tokens: if a waiter with an earlier deadline cannot start, give back this
+        call's units and queue for them again. Costs one lock when nobody more urgent waits."""
         if not self.enabled:
             return
         with self._cond:
-            if self._holder is not t or not self._waiting or self._waiting[0][0] >= t.deadline:
+            if t not in self._held or not self._waiting or self._waiting[0][0] >= t.deadline:
                 return
+            units = self._held.pop(t)
             self.yields += 1
-            self._holder = None
             self._cond.notify_all()
-            self._wait_turn(t)
+            self._wait_turn(t, units)
 
-    def _wait_turn(self, t: Ticket) -> None:
-        """Queue `t` by deadline and return holding the turn. Call with the condition held."""
+    def _units(self, units: int) -> int:
+        return self.capacity if units <= 0 else min(units, self.capacity)
+
+    def _wait_turn(self, t: Ticket, units: int) -> None:
+        """Queue `t` by deadline; return holding `units`. Call with the condition held."""
         entry = (t.deadline, next(self._seq), t)
         heapq.heappush(self._waiting, entry)
         t0 = self.clock()
-        while self._holder is not None or self._waiting[0] is not entry:
+        while (self._waiting[0] is not entry
+               or sum(self._held.values()) + units > self.capacity):
             self._cond.wait()
         heapq.heappop(self._waiting)
-        self._holder = t
+        self._held[t] = units
+        self._cond.notify_all()  # the next waiter may fit beside
         t.waited_s += self.clock() - t0
 
     @property
     def waiting(self) -> int:
         with self._cond:
             return len(self._waiting)
+
+    @property
+    def busy_units(self) -> int:
+        with self._cond:
+            return sum(self._held.values())
 
 
 @dataclass
@@ -135,7 +155,9 @@ class Gates:
         with self._lock:
             gate = self._gates.get(device)
             if gate is None:
-                gate = self._gates[device] = ComputeGate(device, enabled=self.enabled)
+                units = usable_cores() if device == "cpu" else 1
+                gate = self._gates[device] = ComputeGate(device, capacity=units,
+                                                         enabled=self.enabled)
             return gate
 
     def all(self) -> list[ComputeGate]:
@@ -143,14 +165,23 @@ class Gates:
             return list(self._gates.values())
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 @contextlib.contextmanager
-def turn() -> Iterator[None]:
-    """Hold the current request's compute turn (nothing outside a request)."""
+def turn(units: int = 0) -> Iterator[None]:
+    """Hold the current request's compute turn with `units` threads' worth of its device (0:
+    all of it); nothing outside a request."""
     t = TICKET.get()
     if t is None:
         yield
         return
-    t.gate.acquire(t)
+    t.gate.acquire(t, units)
     try:
         yield
     finally:
