@@ -13,8 +13,8 @@ from packserve.core.backend import LoadSpec
 from packserve.core.events import EvictEvent
 from packserve.core.policy import CostAware, VictimPolicy, lru_by_bytes
 from packserve.core.scheduler import Entry
-from packserve.types import Task
-from tests.factories import MIB, harness, run, use
+from packserve.types import State, Task
+from tests.factories import MIB, TIMEOUT, drain, entry, harness, hold, run, use
 
 
 def _entry(name: str, load_s: float) -> Entry:
@@ -44,6 +44,25 @@ def test_the_slow_to_reload_model_stays_under_the_cost_policy(
         assert evicted.model == victim
         assert evicted.cause == "make_room" and words in evicted.why
         assert evicted.policy == ("cost" if isinstance(policy, CostAware) else "lru")
+        await s.close()
+
+    run(body())
+
+
+def test_a_load_waiting_for_a_busy_model_does_not_hold_up_one_that_fits() -> None:
+    async def body() -> None:
+        h = harness([entry("busy", 100), entry("big", 200), entry("small", 40)], budget_mib=250)
+        s = h.scheduler
+        held = await hold(s, "busy")
+        big = asyncio.create_task(use(s, "big"))  # 200 MiB: waits for `busy` to finish
+        await drain()
+        assert h.state("big") is State.ADMITTING
+        await asyncio.wait_for(use(s, "small"), TIMEOUT)  # 40 MiB fit now: no waiting behind
+        assert h.state("small") is State.HOT and h.state("big") is State.ADMITTING
+        await held.release()
+        await asyncio.wait_for(big, TIMEOUT)
+        assert h.state("big") is State.HOT
+        assert max(h.events.gauges) <= h.capacity
         await s.close()
 
     run(body())

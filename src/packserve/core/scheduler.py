@@ -695,22 +695,35 @@ class Scheduler:
                 await self._run(self._check_files, res.load)
             except ConfigError as exc:
                 raise self._failed(res, exc.message, self._clock() - t0) from exc
-        async with self._device_lock(device.name, f"model {res.label}", deadline=deadline,
-                                     res=res):
-            retried = False
+        retried = False
+        while True:
+            # A load waiting for busy models to finish waits outside the device lock, so
+            # that a load which fits meanwhile (a small model beside a busy generator) is
+            # not held up behind it.
+            waiting = await self._admit_under_lock(res, device.name, deadline, retried)
+            if waiting is None:
+                return
+            changed, retried = waiting
+            await self._abandonable(res, functools.partial(
+                self._wait_memory, deadline - self._clock(), changed))
+
+    async def _admit_under_lock(self, res: _Resident, device: str, deadline: float,
+                                retried: bool) -> tuple[asyncio.Event, bool] | None:
+        """Under `device`'s lock: plan, evict, load. None once `res` is hot; when it must wait
+        for busy models, the event that says memory changed (taken before the lock is let go,
+        so no signal is missed) and whether a load already ran out of memory once."""
+        async with self._device_lock(device, f"model {res.label}", deadline=deadline, res=res):
             while True:
                 self._check_wanted(res)  # every waiter gone before the engine started: stop
                 admission = self._admission(res)
                 if admission.verdict is Verdict.NEVER_FITS:
                     raise NeverFits(admission.reason)
                 if admission.verdict is Verdict.WAIT_FOR_BUSY:
-                    left = deadline - self._clock()
-                    if left <= 0:
+                    if deadline - self._clock() <= 0:
                         raise ModelUnavailable(
                             f"model {res.label} timed out after {self._load_wait_s:g}s waiting "
                             f"for memory: {admission.reason}", retry_after_s=LOCK_RETRY_AFTER_S)
-                    await self._abandonable(res, functools.partial(self._wait_memory, left))
-                    continue
+                    return self._memory_changed, retried
                 if admission.victims:
                     # One at a time, then plan again: a request may lease the next victim
                     # while this one unloads.
@@ -721,7 +734,7 @@ class Scheduler:
                 t_load = self._clock()
                 try:
                     await self._materialize(res)
-                    return
+                    return None
                 except NeverFits:
                     raise
                 except Exception as exc:
@@ -731,7 +744,7 @@ class Scheduler:
                         raise self._failed(res, reason, self._clock() - t_load,
                                            twice=retried) from exc
                     retried = True
-                    self._emit(LoadFailedEvent(model=res.label, device=device.name,
+                    self._emit(LoadFailedEvent(model=res.label, device=device,
                                                bytes=res.bytes, seconds=self._clock() - t_load,
                                                reason=reason, will_retry=True))
                     victims = self._retry_victims(res)
@@ -922,9 +935,10 @@ class Scheduler:
         self._memory_changed.set()
         self._memory_changed = asyncio.Event()
 
-    async def _wait_memory(self, seconds: float) -> None:
+    async def _wait_memory(self, seconds: float, changed: asyncio.Event | None = None) -> None:
+        """Until memory changes (`changed`: an event taken earlier, so no signal is missed)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._memory_changed.wait(), seconds)
+            await asyncio.wait_for((changed or self._memory_changed).wait(), max(0.0, seconds))
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         """Run a blocking lifecycle call (load, unload, release, footprint write) off the loop,
