@@ -105,7 +105,8 @@ def serve(config: Config, **scheduler_kwargs: object) -> Iterator[Running]:
         scheduler = build_scheduler(config, sinks=(events.append,), **scheduler_kwargs)  # type: ignore[arg-type]
         telemetry = build_telemetry(config, scheduler)
         app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
-                         keys=build_keyring(config), operator_views=config.server.operator_views)
+                         keys=build_keyring(config), operator_views=config.server.operator_views,
+                         compute_priority=config.server.compute_priority, slo=config.server.slo)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                log_level="warning", lifespan="on"))
         box.update(scheduler=scheduler, server=server, loop=loop, events=events,

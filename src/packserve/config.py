@@ -95,10 +95,11 @@ class ServerConfig(_Strict):
     # Listen on a non-local address without keys: anyone who reaches the port can call every
     # model and every admin route. Off unless the operator says so.
     open_to_anyone: bool = False
-    # Latency targets per model type; requests compete for compute by deadline (arrival + SLO)
-    # when `compute_priority` is on: generation yields between tokens to tighter work.
+    # Latency targets per model type; with `compute_priority`, requests compete for compute by
+    # deadline (arrival + SLO) and generation yields between tokens to tighter work. Off by
+    # default: on 2 cores with one-thread decodes the OS's sharing did as well (docs/scheduling.md).
     slo: SloConfig = SloConfig()
-    compute_priority: bool = True
+    compute_priority: bool = False
     # Loads run at this nice value (0-19; 0: as inference), so resident models keep serving
     # while weights are read.
     load_nice: int = Field(default=10, ge=0, le=19)

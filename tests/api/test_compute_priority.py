@@ -6,10 +6,23 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
-from tests.factories import Running
+import pytest
+
+from tests.factories import Running, default_config, serve
 
 EMBEDDER, COMPLETE = "all-minilm-l6-v2", "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def prioritised(models_dir: Path) -> Iterator[Running]:
+    config = default_config(models_dir)
+    config = config.model_copy(update={
+        "server": config.server.model_copy(update={"compute_priority": True})})
+    with serve(config) as running:
+        yield running
 
 
 def _waited(metrics: str, model: str, task: str) -> float:
@@ -19,8 +32,8 @@ def _waited(metrics: str, model: str, task: str) -> float:
 
 
 def test_embeddings_cut_in_between_the_tokens_of_a_long_completion(
-        default_server: Running) -> None:
-    with default_server.client() as c:
+        prioritised: Running) -> None:
+    with prioritised.client() as c:
         for model, body in ((EMBEDDER, {"input": "warm"}), (COMPLETE, {"prompt": "1,",
                                                                         "max_tokens": 1})):
             path = "/v1/embeddings" if model == EMBEDDER else "/v1/completions"
@@ -31,7 +44,7 @@ def test_embeddings_cut_in_between_the_tokens_of_a_long_completion(
     pieces: list[str] = []
 
     def stream() -> None:
-        with default_server.client() as c, c.stream(
+        with prioritised.client() as c, c.stream(
                 "POST", "/v1/completions",
                 json={"model": COMPLETE, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 160,
                       "temperature": 0, "stream": True}) as r:
@@ -44,14 +57,14 @@ def test_embeddings_cut_in_between_the_tokens_of_a_long_completion(
     streamer = threading.Thread(target=stream)
     streamer.start()
     assert first_piece.wait(60)
-    with default_server.client() as c:
+    with prioritised.client() as c:
         codes = [c.post("/v1/embeddings", json={"model": EMBEDDER,
                                                 "input": [f"sentence {i}"] * 8}).status_code
                  for i in range(4)]
     streamer.join(120)
     assert codes == [200] * 4
     assert len(pieces) > 20  # it went on generating after the embeddings
-    with default_server.client() as c:
+    with prioritised.client() as c:
         after = _waited(c.get("/metrics").text, COMPLETE, "complete")
     # The completion held the turn when the first embedding arrived: it handed it over at its
     # next token and waited for it back, which only an earlier deadline can cause.

@@ -190,3 +190,28 @@ def test_one_thread_decodes_share_the_cores_and_an_embedding_waits_for_both_toke
         thread.join(5)
     assert events[0] == "embed" and sorted(events[1:]) == ["chat token 2", "complete token 2"]
     assert gate.busy_units == 0 and gate.yields == 2
+
+
+def test_a_request_past_its_deadline_competes_as_fresh_work() -> None:
+    clock = Clock()
+    gate = ComputeGate("cpu", clock=clock)
+    late = gate.ticket("chat", slo_s=4.0, arrived=0.0)  # waited for a load: deadline 4
+    clock.now = 10.0
+    fresh = gate.ticket("embed", slo_s=0.5)  # deadline 10.5
+    holder = gate.ticket("other", slo_s=100.0)
+    gate.acquire(holder)
+    order: list[str] = []
+
+    def work(name: str) -> None:
+        with turn():
+            order.append(name)
+
+    threads = [_in_thread(functools.partial(work, "chat"), late)]
+    _wait_until(lambda: gate.waiting == 1)
+    assert late.deadline == pytest.approx(14.0)  # re-armed: now + its SLO
+    threads.append(_in_thread(functools.partial(work, "embed"), fresh))
+    _wait_until(lambda: gate.waiting == 2)
+    gate.release(holder)
+    for thread in threads:
+        thread.join(5)
+    assert order == ["embed", "chat"]

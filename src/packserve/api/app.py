@@ -29,7 +29,7 @@ from packserve.metrics.telemetry import Telemetry
 def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes: int = 4 << 20,
                start_scheduler: bool = True, background_start: bool = False,
                sample_interval_s: float = 1.0, keys: KeyRing | None = None,
-               operator_views: OperatorViews = "admin", compute_priority: bool = True,
+               operator_views: OperatorViews = "admin", compute_priority: bool = False,
                slo: SloConfig | None = None) -> FastAPI:
     """The ASGI app around `scheduler`. Its lifespan loads the pins (before serving, or while
     serving with `background_start`), samples headroom every `sample_interval_s`, and unloads

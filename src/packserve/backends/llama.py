@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from packserve.core.backend import Backend, Generated, GenerationParams, LoadSpec, Message, OnText
-from packserve.core.compute import between_tokens, turn
+from packserve.core.compute import between_slices, between_tokens, turn, usable_cores
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong, InvalidRequest
@@ -27,6 +27,9 @@ from packserve.modelfiles import ModelFacts
 from packserve.planner.sizing import Breakdown, llama_cpp_breakdown
 from packserve.types import Task
 
+# A prompt is read this many tokens at a time, so that a more urgent call (an embedding) waits
+# for one slice of somebody else's prompt, not the whole of it (core.compute).
+PROMPT_SLICE = 32
 DEFAULT_CONTEXT = 2048  # tokens of KV cache unless the entry or the model asks for fewer
 
 # JSON strings may not hold raw control characters; llama.cpp's schema converter allows them,
@@ -67,15 +70,20 @@ class LlamaCppBackend(Backend):
         if on_gpu and not llama_supports_gpu_offload():
             raise ConfigError(f"{self.name}: device {self.spec.device} asked, but "
                               f"llama-cpp-python was built without GPU support")
+        threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
         self._llm = Llama(
             model_path=str(self.spec.path),
             n_ctx=self.spec.context_length,
             n_gpu_layers=-1 if on_gpu else 0,
             main_gpu=int(self.spec.device.partition(":")[2] or 0) if on_gpu else 0,
             use_mmap=False,
-            n_threads=self.spec.threads or None,  # None: llama-cpp-python's, half the cores
+            n_threads=threads,
+            # Prompts decode with as many threads as tokens do: the compute gate lends the
+            # call that many cores (llama-cpp-python's default would take every core).
+            n_threads_batch=threads,
             verbose=False,
         )
+        self._llm.eval = _sliced(self._llm.eval)
 
     def unload(self) -> None:
         llm, self._llm = self._llm, None
@@ -157,6 +165,20 @@ class LlamaCppBackend(Backend):
         prompt = max(0, int(self._llm.n_tokens) - completion)
         return Generated(text="".join(parts), finish_reason="stop" if finish == "stop"
                          else "length", prompt_tokens=prompt, completion_tokens=completion)
+
+
+def _sliced(evaluate: Any) -> Any:
+    """`Llama.eval` reading its tokens `PROMPT_SLICE` at a time, offering the compute turn
+    between slices. llama-cpp-python's generation calls `self.eval` with the prompt, then with
+    each new token; consecutive calls are the same as one (it keeps the tokens it has read)."""
+
+    def eval_in_slices(tokens: Sequence[int]) -> None:
+        for start in range(0, len(tokens), PROMPT_SLICE):
+            if start:
+                between_slices()
+            evaluate(tokens[start:start + PROMPT_SLICE])
+
+    return eval_in_slices
 
 
 def _finish(choice: dict[str, Any]) -> Any:

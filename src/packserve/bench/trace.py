@@ -157,7 +157,8 @@ def _sample(url: str, pid: int, stop: threading.Event, keys: dict[str, str],
                 data = c.get("/v1/residency").json()
                 recent = c.get("/v1/metrics/summary").json()["events"]
             except (httpx.HTTPError, ValueError, KeyError):
-                break
+                stop.wait(0.5)  # a slow answer under load: look again (events are kept)
+                continue
             row: dict[str, Any] = {"t": time.perf_counter() - t0, "rss": rss_bytes(pid),
                                    "used": sum(d["used_bytes"] for d in data["devices"])}
             # Hot only: a "loading" model may still be waiting for admission, holding nothing.
@@ -201,7 +202,7 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
     """The label and the policy_server spec of the policy `name` of `--policies`."""
     return {
         "cost": ("packserve (cost-aware)", "cost"),
-        "cost_no_priority": ("packserve (cost-aware, compute priority off)", "cost"),
+        "cost_priority": ("packserve (cost-aware, compute priority on)", "cost"),
         "lru": ("packserve 0.11 (LRU by bytes)", "lru_by_bytes"),
         "ray": (f"Ray Serve rule (LRU, max {max_models} models)", f"lru_by_count:{max_models}"),
         "ollama": ("Ollama rule (shortest keep-alive first)",
@@ -209,18 +210,18 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
     }[name]
 
 
-POLICIES = ("cost", "lru", "ray", "ollama")  # the default set; also cost_no_priority
+POLICIES = ("cost", "lru", "ray", "ollama")  # the default set; also cost_priority
 
 
 def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
-             slo: dict[str, float], keys: dict[str, str], work: Path,
+             slo: dict[str, float], keys: dict[str, str], log: Path,
              advance: Any) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     events: dict[tuple[Any, ...], dict[str, Any]] = {}
     stop = threading.Event()
     argv = [sys.executable, "-m", "packserve.bench.policy_server", "--config", str(config),
             "--policy", spec]
-    with run_server(argv, log=work / f"trace-{spec.split(':')[0]}.log") as server:
+    with run_server(argv, log=log) as server:
         sampler = threading.Thread(target=_sample,
                                    args=(server.url, server.pid, stop, keys, samples, events))
         sampler.start()
@@ -272,10 +273,10 @@ def run(opts: Options) -> Report:
     repeat = max(1, int(x.get("repeat", 1)))
     # --quick: packserve's rule against its predecessor only, to keep it short.
     chosen = x.get("policies", "cost,lru" if opts.quick else ",".join(POLICIES)).split(",")
-    unknown = [p for p in chosen if p not in (*POLICIES, "cost_no_priority")]
+    unknown = [p for p in chosen if p not in (*POLICIES, "cost_priority")]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}, "
-                         f"cost_no_priority")
+                         f"cost_priority")
     slo = {k: float(v) for k, v in (p.split("=") for p in
                                     x.get("slo", "embed=0.5,rerank=0.5,chat=4,complete=4")
                                     .split(","))}
@@ -301,12 +302,13 @@ def run(opts: Options) -> Report:
         for name in chosen:
             label, spec = _policy_spec(name, max_models)
             used = config
-            if name == "cost_no_priority":  # engines share the cores as the OS runs them
-                used = write_config(work / "trace-no-priority.toml", opts,
+            if name == "cost_priority":  # compute turns by deadline (off by default)
+                used = write_config(work / "trace-priority.toml", opts,
                                     memory_budget=str(capacity + HEADROOM),
-                                    headroom=str(HEADROOM), server_extra="compute_priority = false")
-            runs = [_one_run(opts, used, spec, trace, slo, keys, work, advance)
-                    for _ in range(repeat)]
+                                    headroom=str(HEADROOM), server_extra="compute_priority = true")
+            runs = [_one_run(opts, used, spec, trace, slo, keys,
+                             work / f"trace-{name}-{i + 1}.log", advance)
+                    for i in range(repeat)]
             per_policy[label] = _median_run(runs)
     sequence = [first[r.model] for r in trace]
     belady = offline_loads(sequence, sizes, capacity, belady=True)

@@ -13,7 +13,10 @@ generations of equal urgency take turns token by token (Aegaeon, SOSP'25, schedu
 one GPU at token granularity for the same reason).
 
 A streamed generation's deadline is its first token; once that is out, each later token's
-deadline is one SLO after it was asked for, so it yields to fresh work but is not starved.
+deadline is one SLO after it was asked for, so it yields to fresh work but is not starved. A
+request already past its deadline competes as if it had just arrived (its deadline becomes now
+plus its SLO): under plain EDF the late requests would come first and make every later one
+late too, the domino effect that took SLO attainment from 92% to 65% in a 120 s bench trace.
 
 How requests reach it: the HTTP layer sets `TICKET` (a context variable, so it travels into
 the worker thread with `asyncio.to_thread`) before calling the engine; backends wrap their
@@ -121,9 +124,11 @@ class ComputeGate:
 
     def _wait_turn(self, t: Ticket, units: int) -> None:
         """Queue `t` by deadline; return holding `units`. Call with the condition held."""
+        t0 = self.clock()
+        if t.deadline < t0:  # missed already: no more urgent than fresh work of its kind
+            t.deadline = t0 + t.slo_s
         entry = (t.deadline, next(self._seq), t)
         heapq.heappush(self._waiting, entry)
-        t0 = self.clock()
         while (self._waiting[0] is not entry
                or sum(self._held.values()) + units > self.capacity):
             self._cond.wait()
@@ -194,6 +199,19 @@ def between_tokens() -> None:
     if t is None:
         return
     t.tokens += 1
-    if t.streaming:  # the first token was the deadline; the rest yield to fresh work
-        t.deadline = t.gate.clock() + t.slo_s
+    now = t.gate.clock()
+    if t.streaming or t.deadline < now:  # first token out, or missed: like fresh work
+        t.deadline = now + t.slo_s
+    t.gate.pass_turn(t)
+
+
+def between_slices() -> None:
+    """Called by an engine between slices of a long computation it can split (a prompt read
+    in slices of tokens), holding its turn: a more urgent call waits for one slice, not all."""
+    t = TICKET.get()
+    if t is None:
+        return
+    now = t.gate.clock()
+    if t.deadline < now:
+        t.deadline = now + t.slo_s
     t.gate.pass_turn(t)
