@@ -845,7 +845,7 @@ class Scheduler:
     # ----------------------------------------------------------------- unloading
 
     async def _to_cold(self, res: _Resident, reason: str | None,
-                       backend: Backend | None = None, *, cause: str = "") -> None:
+                       backend: Backend | None = None, *, cause: str = "retired") -> None:
         """The one way weights leave a device: HOT (or LOADING, with the `backend` that loaded)
         -> UNLOADING -> COLD, or FAILED if quarantined. Must hold the device lock; nothing may
         hold a lease on a HOT one. Emits an EvictEvent with `reason` unless it is None (shutdown,
@@ -853,7 +853,8 @@ class Scheduler:
         budget_shrank), the event carries the policy's explanation."""
         backend = backend or res.backend
         policy = self._policy(res.load.device)
-        why = explain_victim(policy, self._view(res)) if cause else ""
+        chosen = cause in _POLICY_CAUSES  # the victim policy picked it: say why
+        why = explain_victim(policy, self._view(res)) if chosen else ""
         assert backend is not None and (res.state is State.LOADING or res.leases == 0)
         res.backend = res.runner = None
         res.state = State.UNLOADING  # holds its bytes until the engine has let go
@@ -871,8 +872,8 @@ class Scheduler:
         if reason is not None:
             self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=res.bytes,
                                   seconds=self._clock() - t0, reason=reason,
-                                  cause=cause or _CAUSE_OF.get(reason, "retired"),
-                                  policy=policy_name(policy) if cause else "", why=why))
+                                  cause=cause, policy=policy_name(policy) if chosen else "",
+                                  why=why))
 
     async def _retire(self, res: _Resident, reason: str) -> None:
         """Unload `res` once nothing uses it, because it was quarantined or removed from the
@@ -1031,7 +1032,7 @@ class Scheduler:
                 return
             if res.leases:
                 raise Conflict(f"model {res.label} has {res.leases} requests in flight")
-            await self._to_cold(res, "unloaded by operator")
+            await self._to_cold(res, "unloaded by operator", cause="operator")
 
     async def pin(self, name: str) -> None:
         """Operator action: keep `name` loaded. If its load fails the pin is rolled back and the
@@ -1334,7 +1335,7 @@ def _be_nice(nice: int) -> None:
         log.debug("could not lower the load threads' priority: %s", exc)
 
 
-_CAUSE_OF = {"unloaded by operator": "operator"}  # causes the victim policy had no part in
+_POLICY_CAUSES = frozenset({"make_room", "memory_retry", "budget_shrank"})
 
 
 class _Abandoned(Exception):
