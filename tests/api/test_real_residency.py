@@ -49,7 +49,9 @@ def test_cycling_all_models_under_a_small_budget(models_dir: Path) -> None:
         evictions = [e for e in server.events if isinstance(e, EvictEvent)]
     assert evictions, "a budget below the sum of the models must evict"
     assert loads["gemma-3-270m"] == 2  # moved out, and back in on the second round
-    assert all("make room for" in e.reason for e in evictions)
+    # Each made room for a load, or (a load measuring more than its estimate, as Gemma does
+    # on some machines) brought the device back within its budget at once.
+    assert all(e.cause in ("make_room", "overshoot") for e in evictions)
     assert not any(isinstance(e, LoadFailedEvent) for e in server.events)
 
 

@@ -556,6 +556,37 @@ def test_measured_footprint_over_max_memory_never_fits_and_is_unloaded(
     run(body())
 
 
+def test_a_load_that_measures_over_its_estimate_sheds_idle_models_to_stay_in_budget() -> None:
+    async def body() -> None:
+        # 100 + 250 fits 400 by the estimates; `big` then measures 320, 20 MiB over.
+        h = harness([entry("small", 100), entry("other", 30), entry("big", 250, declared_mib=320)],
+                    budget_mib=400)
+        s = h.scheduler
+        await use(s, "small")
+        await use(s, "other")
+        await use(s, "big")
+        assert h.used <= 400 * MIB
+        assert h.state("big") is State.HOT
+        (shed,) = [e for e in h.events.of(EvictEvent) if e.cause == "overshoot"]
+        assert shed.model == "small"  # the policy's choice: LRU, enough bytes in one
+        assert shed.reason == "big measured more than its estimate" and shed.why
+        assert h.state("other") is State.HOT
+        await s.close()
+
+    run(body())
+
+
+def test_a_load_that_measures_over_the_whole_budget_never_fits_and_is_unloaded() -> None:
+    async def body() -> None:
+        h = harness([entry("m", 300, declared_mib=500)], budget_mib=400)
+        with pytest.raises(NeverFits) as caught:
+            await use(h.scheduler, "m")
+        assert "whole budget" in caught.value.message and "500" in caught.value.message
+        assert h.state("m") is State.COLD and h.used == 0
+
+    run(body())
+
+
 class GrowingProbe(FakeProbe):
     """Reports `grow` more bytes on every other reading: a load measures exactly `grow`."""
 

@@ -828,9 +828,13 @@ class Scheduler:
         res.peak_here = measured
         res.measured = measured
         cap = self._memory_cap(res)
-        if cap is not None and measured > cap:
+        budget = self._devices[device].capacity_bytes
+        if (cap is not None and measured > cap) or measured > budget:
+            limit = (f"its max_memory quota of {format_bytes(cap)}"
+                     if cap is not None and measured > cap
+                     else f"{device}'s whole budget of {format_bytes(budget)}")
             reason = (f"model {res.label} measured {format_bytes(measured)} after loading, over "
-                      f"its max_memory quota of {format_bytes(cap)}; it was unloaded")
+                      f"{limit}; it was unloaded")
             await self._to_cold(res, None, backend)
             self._emit(LoadFailedEvent(model=res.label, device=device, bytes=measured,
                                        seconds=seconds, reason=reason, will_retry=False))
@@ -840,6 +844,8 @@ class Scheduler:
         res.last_used = self._clock()
         self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
                              bytes_measured=measured, seconds=seconds, reason="first use"))
+        await self._shed(device, f"{res.label} measured more than its estimate",
+                         cause="overshoot", keep=res)
         self._signal_memory()
 
     # ----------------------------------------------------------------- unloading
@@ -1213,19 +1219,33 @@ class Scheduler:
     async def _fit_budget(self, device: str) -> None:
         """Evict idle models of `device`, in the victim policy's order, until it fits."""
         async with self._device_lock(device, f"fitting {device} to its new budget"):
-            while True:
-                views = [self._view(r) for r in self._residents.values()
-                         if r.load.device == device]
-                over = self._used(device) - self._devices[device].capacity_bytes
-                if over <= 0:
-                    return
-                victims = self._policy(device)(views, over, 0)
-                if not victims:
-                    log.warning("%s is %s over its new budget until busy models finish",
-                                device, format_bytes(over))
-                    return
-                await self._to_cold(self._residents[victims[0]], f"{device}'s budget shrank",
-                                    cause="budget_shrank")
+            await self._shed(device, f"{device}'s budget shrank", cause="budget_shrank")
+
+    async def _shed(self, device: str, reason: str, *, cause: str,
+                    keep: _Resident | None = None) -> None:
+        """Evict idle models of `device` other than `keep`, in the victim policy's order,
+        until what it holds fits its budget again. Must hold the device lock.
+
+        Two things push a device over: a budget made smaller, and a load that measured more
+        than its estimate (the estimate is a median of past loads; the machine, the engine's
+        buffers or the heap can differ this time). Busy models stay; the excess is logged.
+        """
+        while True:
+            over = self._used(device) - self._devices[device].capacity_bytes
+            if over <= 0:
+                return
+            views = [self._view(r) for r in self._residents.values()
+                     if r.load.device == device and r is not keep]
+            victims = self._policy(device)(views, over, 0)
+            if not victims:  # not enough idle bytes: free what there is, the rest waits
+                idle = sum(v.bytes for v in views if v.evictable)
+                victims = self._policy(device)(views, idle, 0) if idle else None
+            if not victims:
+                log.warning("%s holds %s more than its budget of %s until busy models finish "
+                            "(%s)", device, format_bytes(over),
+                            format_bytes(self._devices[device].capacity_bytes), reason)
+                return
+            await self._to_cold(self._residents[victims[0]], reason, cause=cause)
 
     # ----------------------------------------------------------------- views
 
@@ -1335,7 +1355,7 @@ def _be_nice(nice: int) -> None:
         log.debug("could not lower the load threads' priority: %s", exc)
 
 
-_POLICY_CAUSES = frozenset({"make_room", "memory_retry", "budget_shrank"})
+_POLICY_CAUSES = frozenset({"make_room", "memory_retry", "budget_shrank", "overshoot"})
 
 
 class _Abandoned(Exception):
