@@ -160,6 +160,9 @@ class ModelSpec(_Strict):
     # scheduler's deadline. Default: `[server.slo]` for the model's first task.
     slo_s: float | None = Field(default=None, gt=0, le=86_400)
     threads: int | None = Field(default=None, ge=1, le=1024)  # llama.cpp; default: half the cores
+    # Chat with tools on a model whose chat template cannot show them: packserve's generic tool
+    # prompt (the tools listed in a system message, calls and results as plain turns). Off: 400.
+    tool_prompt: bool = False
     trust_remote_code: bool = False
     allow_pickle: bool = False
 

@@ -96,6 +96,18 @@ def test_a_key_calls_its_models_and_learns_nothing_of_others(
     assert [m.id for m in sdk(server, keys[1]["ops"]).models.list()] == ["emb", "gen"]
 
 
+def test_models_retrieve_hides_a_model_out_of_scope_as_if_missing(
+        server: Running, keys: tuple[Path, dict[str, str]]) -> None:
+    client = sdk(server, keys[1]["search"])
+    assert client.models.retrieve("emb").id == "emb"
+    with pytest.raises(openai.NotFoundError) as other:
+        client.models.retrieve("gen")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("nope")
+    assert str(other.value).replace("'gen'", "'nope'") == str(missing.value)
+    assert sdk(server, keys[1]["ops"]).models.retrieve("gen").id == "gen"
+
+
 def test_admin_routes_need_an_admin_key(server: Running,
                                         keys: tuple[Path, dict[str, str]]) -> None:
     search, ops = keys[1]["search"], keys[1]["ops"]

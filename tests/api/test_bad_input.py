@@ -219,6 +219,23 @@ BAD_VALUES = [
 ]
 
 
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "wizard", "content": "x"}], "messages.0.role"),
+    ([{"role": "user", "content": "x", "tool_call_id": "a"}], "messages.0.tool_call_id"),
+    ([{"role": "tool", "content": "x"}], "messages.0.tool_call_id"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant"}], "messages.1"),
+    ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+      "function": {"name": "f"}}]}], "messages.0.tool_calls.0.function.arguments"),
+])
+def test_a_bad_message_is_named_by_the_path_the_client_wrote(
+        client: httpx.Client, messages: list[dict[str, object]], param: str) -> None:
+    # Each role is its own model: pydantic's path holds the role ("messages.0.user.content");
+    # the error names the client's path.
+    err = assert_error(client.post("/v1/chat/completions", json=good(C, messages=messages)),
+                       400)
+    assert err["param"] == param, err
+
+
 @pytest.mark.parametrize(("path", "body", "param"), BAD_VALUES)
 def test_bad_values_are_400_naming_the_parameter(
     client: httpx.Client, path: str, body: dict[str, object], param: str,

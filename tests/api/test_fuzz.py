@@ -137,7 +137,7 @@ def capped(doc: dict[str, Any]) -> dict[str, Any]:
         out = {k: cap(v, k) for k, v in node.items()}
         if "maxItems" in out:
             out["maxItems"] = min(out["maxItems"], MAX_ITEMS)
-        if key in ("max_tokens", "max_completion_tokens"):
+        if key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             for option in out.get("anyOf", [out]):
                 if option.get("type") == "integer":
                     option["maximum"] = MAX_TOKENS
@@ -179,8 +179,12 @@ def test_api(case: schemathesis.Case[Any], fuzzed: Running, session: requests.Se
 
 
 def asks_for_json(body: object) -> bool:
-    """Whether a chat request asks for JSON output (structured output)."""
-    fmt = body.get("response_format") if isinstance(body, dict) else None
+    """Whether a chat request (`response_format`) or a response (`text.format`) asks for JSON
+    output (structured output)."""
+    if not isinstance(body, dict):
+        return False
+    text = body.get("text")
+    fmt = body.get("response_format") or (text.get("format") if isinstance(text, dict) else None)
     return isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")
 
 
@@ -211,7 +215,7 @@ def request_schema(doc: dict[str, Any], method: str, path: str) -> Draft202012Va
 
 
 MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/v1/chat/completions",
-                "/v1/completions")
+                "/v1/completions", "/v1/responses")
 
 
 def test_the_fuzzer_reached_every_model_route_and_the_server_still_serves(

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
 
 from packserve.api.batching import Batchers
-from packserve.core.backend import Embeddings, Generated, OnText, Ranking, Runner
+from packserve.core.backend import Embeddings, Generated, OnText, Ranking, Runner, TokenLogprob
 from packserve.core.compute import TICKET
 from packserve.core.scheduler import Lease
 
@@ -69,6 +70,15 @@ class Call:
             await stream.close()
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A piece of streamed text and the logprobs of the tokens that made it (empty unless the
+    request asked for them)."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
 class Stream:
     """The text pieces of a generation running in a worker thread, in order (`async for`), then
     its outcome (`result`)."""
@@ -76,14 +86,14 @@ class Stream:
     def __init__(self, lease: Lease, job: Generate) -> None:
         loop = asyncio.get_running_loop()
         self._lease = lease
-        self._pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        self._pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
         self._stop = threading.Event()
         self._ended = False
 
-        def on_text(text: str) -> bool:
+        def on_text(text: str, logprobs: Sequence[TokenLogprob]) -> bool:
             if self._stop.is_set():
                 return False
-            loop.call_soon_threadsafe(self._pieces.put_nowait, text)
+            loop.call_soon_threadsafe(self._pieces.put_nowait, Piece(text, tuple(logprobs)))
             return True
 
         async def work() -> Generated:
@@ -97,7 +107,7 @@ class Stream:
     def __aiter__(self) -> Stream:
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> Piece:
         piece = None if self._ended else await self._pieces.get()
         if piece is None:
             self._ended = True
@@ -143,4 +153,4 @@ def _count(lease: Lease, out: Generated) -> None:
 
 def _until(stop: threading.Event) -> OnText:
     """An `on_text` that asks the engine to stop once `stop` is set."""
-    return lambda _text: not stop.is_set()
+    return lambda _text, _logprobs: not stop.is_set()

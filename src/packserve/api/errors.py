@@ -7,6 +7,7 @@ Before a response starts the exception handlers send it; after (a stream), the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,14 +48,33 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
             return JSONResponse(error_body(
                 f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}",
                 "invalid_request_error"), status_code=400)
-        # Without pydantic's names for union members ("function-after[...]" and the like,
-        # with addresses in them): the path a client wrote, e.g. `input.0`.
-        loc = [str(p) for p in err["loc"] if p != "body" and "[" not in str(p)]
-        where = ".".join(loc) or "body"
+        where = _where(err["loc"], exc.body)
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):  # the tag itself
+            where += "." + str(err.get("ctx", {}).get("discriminator", "")).strip("'")
         param = param or where
         problems.append(f"{where}: {err['msg']}")
     message = "invalid request: " + "; ".join(problems[:5])
     return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+
+def _where(loc: Sequence[int | str], body: object) -> str:
+    """The path a client wrote, e.g. `messages.0.content`: without pydantic's names for union
+    members ("function-after[...]" and the like, with addresses in them) and without the tag of
+    a member picked by a field's value (`messages.0.user.content` names the role, not a key)."""
+    parts, node = [], body
+    for p in loc:
+        if p == "body" or "[" in str(p):
+            continue
+        if isinstance(node, dict) and p not in node and p in node.values():
+            continue
+        parts.append(str(p))
+        if isinstance(node, dict):
+            node = node.get(p)
+        elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
+            node = node[p]
+        else:
+            node = None
+    return ".".join(parts) or "body"
 
 
 async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

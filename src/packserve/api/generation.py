@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from packserve.api.calls import Generate
 from packserve.api.errors import described
 from packserve.api.services import Inputs, Services
-from packserve.core.backend import FinishReason, Generated
+from packserve.core.backend import FinishReason, Generated, TokenLogprob
 from packserve.errors import PackserveError
 from packserve.types import Task
 
@@ -38,18 +38,21 @@ class Completion(ABC):
     object_type: ClassVar[str]  # the "object" of the whole response
     chunk_type: ClassVar[str]  # the "object" of each stream chunk
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, *, logprobs: bool = False) -> None:
         self.model = model
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.logprobs = logprobs  # the request asked for them: every choice carries them
 
     @abstractmethod
     def choice(self, index: int, out: Generated) -> dict[str, Any]:
         """Choice `index` of a whole response."""
 
     @abstractmethod
-    def delta(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
-        """The one choice of a stream chunk: a piece of text, or the finish."""
+    def delta(self, text: str | None, finish: FinishReason | None,
+              logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """The one choice of a stream chunk: a piece of text (and the logprobs of its tokens),
+        or the finish."""
 
     def opening(self) -> str:
         """What a stream sends first, once the lease is held (before any text)."""
@@ -80,16 +83,36 @@ class ChatCompletion(Completion):
     chunk_type = "chat.completion.chunk"
 
     def choice(self, index: int, out: Generated) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if out.tool_calls:  # the answer is calls (api.tools), not text
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}}
+                for c in out.tool_calls]}
+        return {"index": index, "message": message,
+                "logprobs": self._logprobs(out.logprobs or ()),
                 "finish_reason": out.finish_reason}
 
-    def delta(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
+    def delta(self, text: str | None, finish: FinishReason | None,
+              logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if text is None and finish is None:
             delta = {"role": "assistant", "content": ""}
         elif text is not None:
             delta = {"content": text}
-        return {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"index": 0, "delta": delta,
+                "logprobs": self._logprobs(logprobs) if text is not None else None,
+                "finish_reason": finish}
+
+    def _logprobs(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's chat shape: each token with its bytes and the most likely alternatives."""
+        if not self.logprobs:
+            return None
+        return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.bytes),
+                             "top_logprobs": [{"token": a.token, "logprob": a.logprob,
+                                               "bytes": list(a.bytes)} for a in t.top]}
+                            for t in tokens],
+                "refusal": None}
 
     def opening(self) -> str:
         """The assistant's role, as OpenAI's streams start."""
@@ -102,12 +125,42 @@ class TextCompletion(Completion):
     prefix = "cmpl"
     object_type = chunk_type = "text_completion"
 
-    def choice(self, index: int, out: Generated) -> dict[str, Any]:
-        return {"index": index, "text": out.text, "finish_reason": out.finish_reason,
-                "logprobs": None}
+    def __init__(self, model: str, prompts: Sequence[str], *, logprobs: bool = False,
+                 echo: bool = False) -> None:
+        super().__init__(model, logprobs=logprobs)
+        self.prompts = list(prompts)
+        self.echo = echo
+        # Where the next streamed token starts in the text (OpenAI counts from the prompt's
+        # start: a completion's first token sits at len(prompt)).
+        self._offset = 0 if echo or not self.prompts else len(self.prompts[0])
 
-    def delta(self, text: str | None, finish: FinishReason | None) -> dict[str, Any]:
-        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+    def choice(self, index: int, out: Generated) -> dict[str, Any]:
+        prompt = self.prompts[index] if self.echo else ""
+        tokens = [*(out.prompt_logprobs or ()), *(out.logprobs or ())]
+        start = 0 if self.echo else len(self.prompts[index])
+        return {"index": index, "text": prompt + out.text, "finish_reason": out.finish_reason,
+                "logprobs": self._logprobs(tokens, start)}
+
+    def delta(self, text: str | None, finish: FinishReason | None,
+              logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        shape = self._logprobs(logprobs, self._offset) if text is not None else None
+        self._offset += sum(len(t.token) for t in logprobs)
+        return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": shape}
+
+    def _logprobs(self, tokens: Sequence[TokenLogprob], start: int) -> dict[str, Any] | None:
+        """OpenAI's legacy shape: parallel lists of tokens, their logprobs (None for the first
+        token of an echoed prompt), the alternatives and where each token starts."""
+        if not self.logprobs:
+            return None
+        offsets, at = [], start
+        for t in tokens:
+            offsets.append(at)
+            at += len(t.token)
+        return {"tokens": [t.token for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [None if t.logprob is None
+                                 else {a.token: a.logprob for a in t.top} for t in tokens],
+                "text_offset": offsets}
 
 
 async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Generate], *,
@@ -144,8 +197,14 @@ async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,
     """The lease is taken before the response starts, so quota, load and unknown-model errors
     still get their status code; it is released when the stream ends, after the generating
     thread has stopped. Errors after the start are reported in-band, then `[DONE]`."""
-    events = _events(s, reply, task, job, inputs, check, include_usage)
-    first = await events.__anext__()  # acquires the lease, or raises a PackserveError
+    return await event_stream(_events(s, reply, task, job, inputs, check, include_usage))
+
+
+async def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    """`events` as a server-sent-event response, once its first event has come: a generator
+    that takes its lease before its first `yield` raises its PackserveError here, before the
+    response starts, so that the error keeps its status code."""
+    first = await events.__anext__()
 
     async def body() -> AsyncIterator[str]:
         yield first
@@ -162,7 +221,7 @@ async def _events(s: Services, reply: Completion, task: Task, job: Generate,
     async with s.lease(reply.model, task, inputs) as call, call.stream(job) as pieces:
         yield reply.opening()
         async for piece in pieces:
-            yield sse(reply.chunk([reply.delta(piece, None)]))
+            yield sse(reply.chunk([reply.delta(piece.text, None, piece.logprobs)]))
         try:
             out = await pieces.result()
             if check is not None:

@@ -20,7 +20,13 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from packserve.api.access import OperatorViews, access_of, may_call
-from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingRequest, RerankRequest
+from packserve.api.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ResponsesRequest,
+)
 from packserve.auth import Access
 from packserve.types import Task
 
@@ -30,6 +36,7 @@ BODIES: dict[type[BaseModel], Task] = {
     RerankRequest: Task.RERANK,
     ChatRequest: Task.CHAT,
     CompletionRequest: Task.COMPLETE,
+    ResponsesRequest: Task.CHAT,
 }
 
 # (catalog name, its tasks), in catalog order.
@@ -130,7 +137,9 @@ def _describe_operation(path: str, method: str, op: dict[str, Any], body_task: d
             ok = responses.setdefault("200", {"description": "Successful Response"})
             ok.setdefault("content", {})["text/event-stream"] = {"schema": {
                 "description": "with `\"stream\": true`: server-sent events, each a chunk "
-                               "(or an error in OpenAI's shape), then `data: [DONE]`",
+                               "(or an error in OpenAI's shape), then `data: [DONE]`; on "
+                               "/v1/responses, typed events (`response.created` ... "
+                               "`response.completed`, or `error` and `response.failed`)",
                 "anyOf": [{"type": "object"}, {"const": "[DONE]"}]}}
         if body_task[body_ref] is Task.CHAT:
             errors["502"] = _OUTPUT_INVALID
@@ -138,6 +147,8 @@ def _describe_operation(path: str, method: str, op: dict[str, Any], body_task: d
         errors.update(_ADMIN_ERRORS)
     elif path == "/v1/residency/plan":
         errors["404"] = _ADMIN_ERRORS["404"]
+    elif path == "/v1/models/{model}":
+        errors["404"] = _MODEL_ERRORS["404"]
     elif path == "/readyz":
         responses["503"] = {"description": "a pinned model is not loaded: which, why, and when "
                             "it is retried", "content": {"application/json": {"schema": {

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_INPUTS = 2048
 MAX_DOCUMENTS = 1000
 MAX_MESSAGES = 1000
 MAX_TOKENS_CAP = 1_048_576
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs, as OpenAI allows
 
 def _encodable(value: str) -> str:
     try:
@@ -64,17 +74,109 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
+# ---------------------------------------------------------------- function tools (chat)
+
+MAX_TOOLS = 128  # as OpenAI allows
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDef(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, object] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # the output always matches `parameters` here
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: ToolName
+    arguments: Text  # JSON text, as the model produced it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Annotated[Text, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class _Turn(BaseModel):
+    """What every chat message has. Each role is its own model (`ChatMessage` picks one by
+    `role`), so the OpenAPI document says exactly what each role takes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: Text | None = None
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
+        content: Text | list[TextPart] | None = getattr(self, "content", None)
+        if content is None or isinstance(content, str):
+            return content or ""
+        return "".join(p.text for p in content)
+
+    @property
+    def calls(self) -> list[AssistantToolCall]:
+        """The tool calls an assistant message made (none for other roles)."""
+        return []
+
+    @property
+    def answers(self) -> str | None:
+        """The id of the call a tool message answers (None for other roles)."""
+        return None
+
+
+class PromptMessage(_Turn):
+    role: Literal["system", "developer", "user"]
+    content: Text | list[TextPart]
+
+
+class AssistantMessage(_Turn):
+    role: Literal["assistant"]
+    content: Text | list[TextPart] | None = None  # may be null when it made tool calls
+    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1, max_length=MAX_TOOLS)
+                          ] | None = None
+
+    @model_validator(mode="after")
+    def _says_something(self) -> AssistantMessage:
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+    @property
+    def calls(self) -> list[AssistantToolCall]:
+        return self.tool_calls or []
+
+
+class ToolMessage(_Turn):
+    role: Literal["tool"]
+    content: Text | list[TextPart]
+    tool_call_id: Annotated[Text, Field(min_length=1, max_length=256)]
+
+    @property
+    def answers(self) -> str | None:
+        return self.tool_call_id
+
+
+ChatMessage = Annotated[PromptMessage | AssistantMessage | ToolMessage,
+                        Field(discriminator="role")]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -94,6 +196,23 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+MAX_METADATA = 16  # key-value pairs, keys of at most 64 characters, values of at most 512
+
+
+class _Ignored(BaseModel):
+    """Fields that OpenAI's clients send and that change nothing here: packserve stores nothing,
+    has one service tier, and runs tool calls one at a time. Accepted (when well-typed) and
+    ignored, so that a client that sends them is not refused."""
+
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[Text, Field(max_length=64)],
+                             Annotated[Text, Field(max_length=512)]],
+                        Field(max_length=MAX_METADATA)] | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast",
+                          "ultrafast"] | None = None
 
 
 class _Generation(_Body):
@@ -117,10 +236,21 @@ class _Generation(_Body):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatRequest(_Generation):
+class ChatRequest(_Generation, _Ignored):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[ToolDef], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _logprobs_asked(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     @field_validator("response_format")
     @classmethod
@@ -132,8 +262,95 @@ class ChatRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=16)]
-    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_CAP)
+    # 0 only with `echo`: score the prompt, generate nothing
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_TOKENS_CAP)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
 
     @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+# ------------------------------------------------------------------------------ /v1/responses
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["input_text"]
+    text: Text
+
+
+class OutputText(BaseModel):
+    """An assistant's earlier text, as a response's `output` carries it (a client that keeps
+    the conversation itself sends it back); its annotations and logprobs are ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["output_text"]
+    text: Text
+    annotations: Annotated[list[dict[str, object]], Field(max_length=MAX_MESSAGES)] = []
+    logprobs: Annotated[list[dict[str, object]], Field(max_length=MAX_TOKENS_CAP)] | None = None
+
+
+class InputMessage(BaseModel):
+    """One message of `input`: the plain form (`role`, `content`) or the item form the SDK and
+    a response's `output` carry (`type: "message"`, and an output message's `id` and
+    `status`, which are ignored)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["message"] | None = None
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | Annotated[list[InputText | OutputText], Field(max_length=MAX_MESSAGES)]
+    id: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class TextFormat(BaseModel):
+    """`text.format`: plain text, any JSON object, or JSON matching `schema`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.schema_ is None or self.name is None):
+            raise ValueError("type json_schema needs a name and a schema")
+        return self
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body, _Ignored):
+    """`/v1/responses`, the text subset. `previous_response_id` and `tools` are typed here so
+    that the route can refuse them by name (packserve keeps no responses; tools are not served
+    on this route yet)."""
+
+    input: NonEmpty | Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
+    temperature: float = Field(default=0.7, ge=0.0, le=2.0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    stream: bool = False
+    text: TextConfig | None = None
+    previous_response_id: Text | None = None
+    tools: Annotated[list[dict[str, object]], Field(max_length=128)] | None = None
+
+    @property
+    def messages(self) -> list[tuple[str, str]]:
+        """(role, text) of each message: the instructions first, as a system message."""
+        turns = [] if self.instructions is None else [("system", self.instructions)]
+        if isinstance(self.input, str):
+            return [*turns, ("user", self.input)]
+        return [*turns, *((m.role, m.text) for m in self.input)]

@@ -24,22 +24,28 @@ def response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
     if fmt.type == "json_object":
         return None, True
     assert fmt.json_schema is not None
-    schema = fmt.json_schema.schema_
+    return checked_schema(fmt.json_schema.schema_, "response_format",
+                          "response_format.json_schema.schema"), False
+
+
+def checked_schema(schema: dict[str, object], param: str, where: str) -> dict[str, object]:
+    """`schema`, once it is known that the output check (`check_json`) can apply it: valid,
+    nested at most `MAX_SCHEMA_DEPTH` deep, its references local (see `_check_refs`). Else
+    InvalidRequest naming `param`; `where` is the schema's place in the request body."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
-        raise InvalidRequest(f"response_format.json_schema.schema is nested {depth} levels "
-                             f"deep; at most {MAX_SCHEMA_DEPTH} are accepted",
-                             param="response_format")
+        raise InvalidRequest(f"{where} is nested {depth} levels deep; at most "
+                             f"{MAX_SCHEMA_DEPTH} are accepted", param=param)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        raise InvalidRequest(f"response_format.json_schema.schema is not a valid JSON schema: "
-                             f"{exc.message}", param="response_format") from exc
-    _check_refs(schema)
-    return schema, False
+        raise InvalidRequest(f"{where} is not a valid JSON schema: {exc.message}",
+                             param=param) from exc
+    _check_refs(schema, param)
+    return schema
 
 
 def check_json(text: str, schema: dict[str, object] | None, model: str) -> None:
@@ -79,7 +85,7 @@ def _depth(value: object) -> int:
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
 
 
-def _check_refs(schema: dict[str, object]) -> None:
+def _check_refs(schema: dict[str, object], param: str) -> None:
     """What the output check (`check_json`) can apply, refused before anything runs, else it
     would fail after the model ran: only local `$ref`s, all resolvable, nothing ever fetched on
     a client's behalf; no `$id` below the root (it would move where `#...` refers to) and no
@@ -101,25 +107,25 @@ def _check_refs(schema: dict[str, object]) -> None:
         stack.extend(DRAFT202012.subresources_of(node))
         if node is not schema and "$id" in node:
             raise InvalidRequest("schema $id is only accepted at the root (below it, it would "
-                                 "change what '#...' references mean)", param="response_format")
+                                 "change what '#...' references mean)", param=param)
         if "$dynamicRef" in node:
-            raise InvalidRequest("schema $dynamicRef is not supported; use $ref",
-                                 param="response_format")
+            raise InvalidRequest("schema $dynamicRef is not supported; use $ref", param=param)
         ref = node.get("$ref")
         if not isinstance(ref, str):
             continue
         if not ref.startswith("#"):
             raise InvalidRequest(f"schema $ref {ref!r} is not local; only '#/...' references "
-                                 f"are allowed", param="response_format")
+                                 f"are allowed", param=param)
         try:
             targets[id(node)] = resolver.lookup(ref).contents
         except Unresolvable as exc:
-            raise InvalidRequest(f"schema $ref {ref!r} does not resolve", param="response_format"
+            raise InvalidRequest(f"schema $ref {ref!r} does not resolve", param=param
                                  ) from exc
-    _check_cycles(schema, targets)
+    _check_cycles(schema, targets, param)
 
 
-def _check_cycles(schema: dict[str, object], targets: dict[int, object]) -> None:
+def _check_cycles(schema: dict[str, object], targets: dict[int, object], param: str
+                  ) -> None:
     """Refuse a `$ref` cycle that stays on the same value (depth-first over `_IN_PLACE` and
     `$ref` edges; `targets` maps each subschema with a `$ref` to its target)."""
 
@@ -154,7 +160,7 @@ def _check_cycles(schema: dict[str, object], targets: dict[int, object]) -> None
             if id(child) in path:
                 raise InvalidRequest("schema $ref refers back to itself without descending into "
                                      "the value (as {'$ref': '#'} does): checking the output "
-                                     "against it would never end", param="response_format")
+                                     "against it would never end", param=param)
             if id(child) not in done:
                 path.add(id(child))
                 stack.append((child, iter(in_place(child))))

@@ -146,7 +146,7 @@ class FakeBackend(Backend):
             _directives(prompt, on_text)
         words = prompt.split()[: params.max_tokens or None]
         for w in words:
-            if on_text is not None and not on_text(w + " "):
+            if on_text is not None and not on_text(w + " ", ()):
                 break
         return Generated(text=" ".join(words), finish_reason="stop",
                          prompt_tokens=len(prompt.split()), completion_tokens=len(words))
@@ -174,5 +174,5 @@ def _directives(text: str, on_text: OnText | None) -> None:
             end = time.monotonic() + float(arg)
             while time.monotonic() < end:
                 time.sleep(min(0.1, max(0.0, end - time.monotonic())))
-                if on_text is not None and not on_text("."):
+                if on_text is not None and not on_text(".", ()):
                     return

@@ -12,13 +12,24 @@ busy thread (a load, the HTTP front) stalled a 0.4 s generation for 6-13 s now a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from packserve.core.backend import Backend, Generated, GenerationParams, LoadSpec, Message, OnText
+from packserve.core.backend import (
+    Alternative,
+    Backend,
+    Generated,
+    GenerationParams,
+    LoadSpec,
+    Message,
+    OnText,
+    TokenLogprob,
+)
 from packserve.core.compute import between_slices, between_tokens, turn, usable_cores
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
@@ -97,16 +108,64 @@ class LlamaCppBackend(Backend):
         return [len(self._llm.tokenize(t.encode("utf-8"), add_bos=False, special=False))
                 for t in texts]
 
+    def renders_tools(self) -> bool:
+        llm = self._llm
+        if llm.chat_format != "chat_template.default":  # no template: a built-in format
+            return False
+        return template_renders_tools(str(llm.metadata.get("tokenizer.chat_template", "")))
+
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
-        wire = [{"role": m.role, "content": m.content} for m in messages]
-        return self._run(lambda **kw: self._llm.create_chat_completion(messages=wire, **kw),
+        wire = [_wire(m) for m in messages]
+        tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                   "parameters": t.parameters}}
+                 for t in params.tools] or None
+        return self._run(lambda **kw: self._llm.create_chat_completion(messages=wire,
+                                                                       tools=tools, **kw),
                          params, on_text, chat=True)
 
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
-        return self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
-                         params, on_text, chat=False)
+        if not params.echo:
+            return self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
+                             params, on_text, chat=False)
+        with self._lock, turn(units=int(self._llm.n_threads)):
+            scored = self._score(prompt, params.logprobs)
+        if params.max_tokens == 0:  # scoring only: nothing is generated
+            return Generated(text="", finish_reason="length", prompt_tokens=len(scored),
+                             completion_tokens=0, logprobs=(), prompt_logprobs=scored)
+        out = self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
+                        params, on_text, chat=False)
+        return dataclasses.replace(out, prompt_logprobs=scored)
+
+    def _score(self, prompt: str, top: int | None) -> tuple[TokenLogprob, ...]:
+        """The prompt's tokens and, with `top`, the logprob of each given the ones before it.
+
+        llama.cpp keeps the logits of the last token of each batch only (logits for every
+        position, `logits_all`, would cost context x vocabulary x 4 bytes: 2 GiB for Gemma), so
+        the prompt is read one token at a time and each step's row is read before the next.
+        Slower than a batched read; the KV cache it leaves is reused by the generation after."""
+        llm = self._llm
+        text = prompt.encode("utf-8")
+        tokens = llm.tokenize(text, add_bos=True, special=True)
+        lead = len(tokens) - len(llm.tokenize(text, add_bos=False, special=True))  # BOS
+        if len(tokens) > llm.n_ctx():
+            raise InputTooLong(f"prompt of {len(tokens)} tokens exceeds the context window "
+                               f"({llm.n_ctx()}) of {self.name}", param="prompt")
+        steps = _Steps(llm, top or 0)
+        row = None
+        llm.reset()
+        scored: list[TokenLogprob] = []
+        for i, token in enumerate(tokens):
+            if i >= lead:
+                scored.append(steps.entry(row, token) if top is not None and row is not None
+                              else steps.bare(token))
+            if i + 1 < len(tokens) and top is not None:
+                if i and i % PROMPT_SLICE == 0:
+                    between_slices()
+                llm.eval([token])
+                row = steps.row(-1)
+        return tuple(scored)
 
     def _run(self, call: Any, params: GenerationParams, on_text: OnText | None,
              chat: bool) -> Generated:
@@ -121,28 +180,39 @@ class LlamaCppBackend(Backend):
             "seed": None if params.seed is None else params.seed % 2**32,
             "grammar": grammar,
         }
-        with self._lock, turn(units=int(self._llm.n_threads)):
+        llm = self._llm
+        steps = None if params.logprobs is None else _Steps(llm, params.logprobs)
+        with self._lock, turn(units=int(llm.n_threads)):
+            if steps is not None:
+                llm.sample = steps.recording(type(llm).sample.__get__(llm))
             try:
                 if on_text is None:
                     out = call(stream=False, **kwargs)
                     choice = out["choices"][0]
                     text = choice["message"]["content"] if chat else choice["text"]
+                    completion = out["usage"]["completion_tokens"]
                     return Generated(text=text or "", finish_reason=_finish(choice),
                                      prompt_tokens=out["usage"]["prompt_tokens"],
-                                     completion_tokens=out["usage"]["completion_tokens"])
-                return self._stream(call(stream=True, **kwargs), on_text, chat)
+                                     completion_tokens=completion,
+                                     logprobs=None if steps is None
+                                     else tuple(steps.sampled[:completion]))
+                return self._stream(call(stream=True, **kwargs), on_text, chat, steps)
             except ValueError as exc:
                 if "exceed context window" in str(exc):
                     raise InputTooLong(f"{exc} of {self.name}; shorten the prompt or lower "
                                        f"max_tokens", param="messages" if chat else "prompt"
                                        ) from exc
                 raise
+            finally:
+                if steps is not None:
+                    del llm.sample  # back to the class's method
 
     def _stream(self, chunks: Iterator[dict[str, Any]], on_text: OnText,
-                chat: bool) -> Generated:
+                chat: bool, steps: _Steps | None) -> Generated:
         parts: list[str] = []
         finish = "length"
         pieces = 0
+        sent = 0  # tokens whose logprobs went out with a piece
         try:
             for chunk in chunks:
                 choice = chunk["choices"][0]
@@ -150,7 +220,11 @@ class LlamaCppBackend(Backend):
                 if piece:
                     pieces += 1
                     parts.append(piece)
-                    if not on_text(piece):
+                    # The tokens sampled since the last piece made this one (llama-cpp-python
+                    # holds text back while it could still be the start of a stop string).
+                    made = () if steps is None else steps.sampled[sent:]
+                    sent += len(made)
+                    if not on_text(piece, made):
                         finish = "stop"
                         break
                     between_tokens()
@@ -161,10 +235,110 @@ class LlamaCppBackend(Backend):
             if close is not None:
                 close()
         # Streams carry no usage; llama.cpp's context now holds the prompt and what was decoded.
-        completion = pieces
+        completion = pieces if steps is None else sent
         prompt = max(0, int(self._llm.n_tokens) - completion)
         return Generated(text="".join(parts), finish_reason="stop" if finish == "stop"
-                         else "length", prompt_tokens=prompt, completion_tokens=completion)
+                         else "length", prompt_tokens=prompt, completion_tokens=completion,
+                         logprobs=None if steps is None else tuple(steps.sampled[:sent]))
+
+
+class _Steps:
+    """Logprobs read from the logits llama.cpp computed for a step: one row of the vocabulary,
+    copied while it is current (llama.cpp keeps the last token's logits only). A row is
+    vocabulary x 4 bytes (1 MiB for Gemma's 262k tokens), held for one step; nothing is kept
+    for the whole context."""
+
+    def __init__(self, llm: Any, top: int) -> None:
+        self._llm = llm
+        self._top = top
+        self._vocab = int(llm.n_vocab())
+        self._pieces: dict[int, bytes] = {}
+        self.sampled: list[TokenLogprob] = []  # each generated token, end-of-generation excluded
+
+    def row(self, index: int) -> Any:
+        """The log-softmax of the logits at `index` of the last batch (-1: its last token)."""
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self._llm._ctx.get_logits_ith(index),
+                                       shape=(self._vocab,)).astype(np.float64)
+        peak = logits.max()
+        return logits - (peak + np.log(np.exp(logits - peak).sum()))
+
+    def recording(self, sample: Any) -> Any:
+        """`Llama.sample` that also records the sampled token's logprob and the top ones."""
+        from llama_cpp import llama_vocab_is_eog
+
+        llm = self._llm
+
+        def sample_and_record(*args: Any, **kwargs: Any) -> Any:
+            idx = kwargs.get("idx")
+            row = self.row(-1 if idx is None else idx - llm.n_tokens)
+            token = sample(*args, **kwargs)
+            if not llama_vocab_is_eog(llm._model.vocab, token):
+                self.sampled.append(self.entry(row, token))
+            return token
+
+        return sample_and_record
+
+    def entry(self, row: Any, token: int) -> TokenLogprob:
+        import numpy as np
+
+        top: tuple[Alternative, ...] = ()
+        if self._top:
+            best = np.argpartition(row, -self._top)[-self._top:]
+            best = best[np.argsort(-row[best], kind="stable")]
+            top = tuple(Alternative(*self._text(int(t)), float(row[t])) for t in best)
+        return TokenLogprob(*self._text(token), float(row[token]), top)
+
+    def bare(self, token: int) -> TokenLogprob:
+        """A token with no logprob: a prompt's first, or any prompt token without `logprobs`."""
+        return TokenLogprob(*self._text(token), None)
+
+    def _text(self, token: int) -> tuple[str, bytes]:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = bytes(self._llm.detokenize([token]))
+        return piece.decode("utf-8", errors="replace"), piece
+
+
+_PROBE_TOOL = "packserve_probe_tool"
+
+
+@functools.lru_cache(maxsize=16)
+def template_renders_tools(template: str) -> bool:
+    """Whether a Jinja chat template shows the `tools` it is given: rendered with one probe
+    tool, the prompt names it (as llama.cpp's server probes a template's capabilities)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    probe: Any = [{"type": "function", "function": {
+        "name": _PROBE_TOOL, "description": "a probe",
+        "parameters": {"type": "object", "properties": {}}}}]
+    try:
+        prompt = Jinja2ChatFormatter(template, eos_token="", bos_token="")(
+            messages=[{"role": "user", "content": "hi"}], tools=probe).prompt
+    except Exception:  # a template that fails when given tools cannot use them
+        return False
+    return _PROBE_TOOL in prompt
+
+
+def _wire(m: Message) -> dict[str, Any]:
+    """A message as chat templates read it (Hugging Face's convention: a call's arguments as
+    an object, a tool result with its call's id)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _object(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _object(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _sliced(evaluate: Any) -> Any:

@@ -65,9 +65,30 @@ class Ranking:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a function tool: by the model (in `Generated`) or, earlier in a conversation,
+    by the assistant (in its `Message`). `arguments` is JSON text, as OpenAI carries it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Message:
-    role: str
+    role: str  # system, user, assistant, or tool (a tool's result, for `tool_call_id`)
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
 
 
 @dataclass(frozen=True)
@@ -79,9 +100,36 @@ class GenerationParams:
     seed: int | None = None
     json_schema: dict[str, object] | None = None  # constrain output to this schema
     json_object: bool = False  # constrain output to any JSON object
+    # Log-probabilities of each generated token and of this many alternatives (OpenAI's
+    # top_logprobs); None: none are computed.
+    logprobs: int | None = None
+    echo: bool = False  # completions: also score the prompt's tokens (`Generated.prompt_logprobs`)
+    # Chat: tools for the model's own chat template to show it; only given to a backend whose
+    # `renders_tools()` is True. What the output may be is `json_schema`'s business.
+    tools: tuple[Tool, ...] = ()
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A token the model could have produced at a step, and its log-probability."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a text, the log-probability the model gave it (None for a prompt's first
+    token, which nothing precedes), and the most likely tokens at its step."""
+
+    token: str
+    bytes: bytes
+    logprob: float | None
+    top: tuple[Alternative, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,10 +138,14 @@ class Generated:
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when asked
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token, with `echo`
+    tool_calls: tuple[ToolCall, ...] = ()  # the answer is these calls (then `text` is "")
 
 
-# Called with each new piece of text; returning False asks the backend to stop early.
-OnText = Callable[[str], bool]
+# Called with each new piece of text and the logprobs of the tokens that made it (empty unless
+# asked); returning False asks the backend to stop early.
+OnText = Callable[[str, Sequence[TokenLogprob]], bool]
 
 
 @dataclass(eq=False)  # compared and hashed by identity: one object per load
@@ -132,6 +184,13 @@ class Backend:
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         raise TaskNotSupported(f"{self.name} cannot rerank")
+
+    def renders_tools(self) -> bool:
+        """Whether `chat()` shows `params.tools`, assistant tool calls and tool results to the
+        model through the model's own chat template. Called in a worker thread under a lease,
+        before a chat that has tools or tool turns; False: the caller renders them as plain
+        turns (api.tools' generic tool prompt) or refuses the request."""
+        return False
 
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
@@ -177,6 +236,9 @@ class Runner:
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         return self._backend.rerank(query, documents)
+
+    def renders_tools(self) -> bool:
+        return self._backend.renders_tools()
 
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:

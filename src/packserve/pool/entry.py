@@ -58,7 +58,8 @@ _event_log = logging.getLogger("packserve.events")
 # A request addressed to one replica (views, admin) waits this long for it to answer.
 ADDRESSED_S = 60.0
 _RETRY_SAFE = frozenset({"/v1/embeddings", "/v1/rerank"})
-_MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/completions")
+_MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/completions",
+                 "/v1/responses")
 _LOST = (RayActorError, ActorUnavailableError)
 _TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 _STATE_RANK = {"hot": 0, "loading": 1, "admitting": 2, "unloading": 3, "failed": 5}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from packserve.api.routes import openai, operations, rerank, residency
+from packserve.api.routes import openai, operations, rerank, residency, responses
 
-ROUTERS = (operations.router, openai.router, rerank.router, residency.router)
+ROUTERS = (operations.router, openai.router, responses.router, rerank.router,
+           residency.router)

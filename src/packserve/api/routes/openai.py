@@ -14,9 +14,11 @@ from packserve.api.generation import ChatCompletion, TextCompletion, answer
 from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingRequest
 from packserve.api.services import Inputs, ServicesDep
 from packserve.api.structured import check_json, response_format
+from packserve.api.tools import chat_with_tools, tool_use
 from packserve.core.backend import Generated, GenerationParams, OnText, Runner
 from packserve.core.backend import Message as ChatTurn
-from packserve.errors import InvalidRequest
+from packserve.core.scheduler import ModelStatus
+from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.types import Task
 
 router = APIRouter()
@@ -24,10 +26,23 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(s: ServicesDep) -> dict[str, Any]:
-    return {"object": "list", "data": [
-        {"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
-         "tasks": [t.value for t in m.tasks], "state": m.state.value}
-        for m in s.scheduler.models() if may_call(m.name)]}
+    return {"object": "list",
+            "data": [_model_row(m) for m in s.scheduler.models() if may_call(m.name)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, s: ServicesDep) -> dict[str, Any]:
+    """One entry of /v1/models (the SDK's `models.retrieve`)."""
+    for m in s.scheduler.models():
+        if m.name == model and may_call(model):
+            return _model_row(m)
+    s.spec_of(model)  # raises the 404 of every model route: missing and out of scope alike
+    raise ModelNotFound(f"model {model!r} does not exist", param="model")  # reloaded away
+
+
+def _model_row(m: ModelStatus) -> dict[str, Any]:
+    return {"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
+            "tasks": [t.value for t in m.tasks], "state": m.state.value}
 
 
 @router.post("/v1/embeddings")
@@ -54,7 +69,11 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
     params = GenerationParams(
         max_tokens=s.max_tokens(body.model, asked, param),
         temperature=body.temperature, top_p=body.top_p, stop=body.stops, seed=body.seed,
-        json_schema=schema, json_object=json_mode)
+        json_schema=schema, json_object=json_mode,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    use = tool_use(body)
+    if use is not None:
+        return await chat_with_tools(s, body, params, use)
     turns = [ChatTurn("system" if m.role == "developer" else m.role, m.text)
              for m in body.messages]
 
@@ -66,7 +85,8 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
             check_json(out.text, schema, body.model)
 
     inputs = Inputs([m.text for m in body.messages], "messages")
-    return await answer(s, ChatCompletion(body.model), Task.CHAT, [run], inputs=inputs,
+    return await answer(s, ChatCompletion(body.model, logprobs=body.logprobs), Task.CHAT, [run],
+                        inputs=inputs,
                         check=check, stream=body.stream, include_usage=body.include_usage)
 
 
@@ -77,11 +97,20 @@ async def completions(body: CompletionRequest, s: ServicesDep
     params = GenerationParams(max_tokens=s.max_tokens(body.model, asked,
                                                       default=body.max_tokens),
                               temperature=body.temperature,
-                              top_p=body.top_p, stop=body.stops, seed=body.seed)
+                              top_p=body.top_p, stop=body.stops, seed=body.seed,
+                              logprobs=body.logprobs, echo=body.echo)
     if body.stream and len(body.prompts) != 1:
         raise InvalidRequest("streaming takes one prompt", param="prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidRequest("max_tokens 0 generates nothing; it is only accepted with echo "
+                             "(to score the prompt)", param="max_tokens")
+    if body.stream and body.echo:
+        raise InvalidRequest("echo is not supported with stream; ask without stream to score "
+                             "a prompt", param="echo")
     jobs = [_complete(prompt, params) for prompt in body.prompts]
-    return await answer(s, TextCompletion(body.model), Task.COMPLETE, jobs,
+    reply = TextCompletion(body.model, body.prompts, logprobs=body.logprobs is not None,
+                           echo=body.echo)
+    return await answer(s, reply, Task.COMPLETE, jobs,
                         inputs=Inputs(body.prompts, "prompt"), stream=body.stream,
                         include_usage=body.include_usage)
 
