@@ -223,6 +223,7 @@ BAD_VALUES = [
     ([{"role": "wizard", "content": "x"}], "messages.0.role"),
     ([{"role": "user", "content": "x", "tool_call_id": "a"}], "messages.0.tool_call_id"),
     ([{"role": "tool", "content": "x"}], "messages.0.tool_call_id"),
+    ([{"role": "tool", "content": "tool_call_id"}], "messages.0.tool_call_id"),
     ([{"role": "user", "content": "x"}, {"role": "assistant"}], "messages.1"),
     ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "c", "type": "function",
       "function": {"name": "f"}}]}], "messages.0.tool_calls.0.function.arguments"),

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from packserve.api.schemas import ChatRequest
-from packserve.api.tools import ToolUse, envelope, resolved, tool_use, turns
+from packserve.api.tools import Choice, Named, ToolUse, envelope, resolved, tool_use, turns
 from packserve.backends.llama import schema_grammar, template_renders_tools
 from packserve.core.backend import Generated, Tool
 from packserve.errors import InvalidRequest, ModelOutputInvalid
@@ -35,7 +35,7 @@ def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]
     return {"type": "function", "function": function}
 
 
-def _use(choice: str = "auto") -> ToolUse:
+def _use(choice: Choice = "auto") -> ToolUse:
     tools = (Tool("a", "", ITEM), Tool("b", "", NAMED))
     use = ToolUse(tools, choice, None)
     return ToolUse(tools, choice, envelope(use.callable, choice == "auto"))
@@ -77,7 +77,7 @@ def test_a_reply_is_content_and_a_cut_reply_keeps_its_text() -> None:
 
 def test_a_forced_call_cannot_be_a_reply() -> None:
     with pytest.raises(ModelOutputInvalid):
-        resolved(_out('{"response": "no"}'), _use("b"), "m")
+        resolved(_out('{"response": "no"}'), _use(Named("b")), "m")
 
 
 @pytest.mark.parametrize(("extra", "param"), [
@@ -97,6 +97,14 @@ def test_bad_tool_requests_name_their_parameter(extra: dict[str, Any], param: st
 
 def test_plain_chats_and_none_without_tool_turns_are_not_tool_chats() -> None:
     assert tool_use(_body()) is None
+
+
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_tool_may_be_named_like_a_mode_and_forcing_it_forces_it(name: str) -> None:
+    use = tool_use(_body(tools=[_tool(name), _tool("other")],
+                         tool_choice={"type": "function", "function": {"name": name}}))
+    assert use is not None and use.choice == Named(name)
+    assert [t.name for t in use.callable] == [name]
     assert tool_use(_body(tools=[_tool("f")], tool_choice="none")) is None
     # response_format is fine when no tool may be called
     assert tool_use(_body(tools=[_tool("f")], tool_choice="none",
@@ -144,3 +152,14 @@ def test_the_template_probe_sees_whether_tools_are_shown() -> None:
     assert template_renders_tools("{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}"
                                   "{% endif %}" + smollm2)
     assert not template_renders_tools("{{ raise_exception('no') }}")
+
+
+def test_an_answer_sent_back_whole_is_accepted() -> None:
+    # What the openai SDK's `message.model_dump()` holds for packserve's own answers.
+    sent_back = {"role": "assistant", "content": None, "refusal": None, "annotations": [],
+                 "audio": None, "function_call": None, "tool_calls": [
+                     {"id": "call_1", "type": "function",
+                      "function": {"name": "a", "arguments": "{}"}}]}
+    body = _body(messages=[{"role": "user", "content": "hi"}, sent_back,
+                           {"role": "tool", "tool_call_id": "call_1", "content": "done"}])
+    assert [m.role for m in body.messages] == ["user", "assistant", "tool"]

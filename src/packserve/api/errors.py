@@ -65,8 +65,8 @@ def _where(loc: Sequence[int | str], body: object) -> str:
     for p in loc:
         if p == "body" or "[" in str(p):
             continue
-        if isinstance(node, dict) and p not in node and p in node.values():
-            continue
+        if isinstance(node, dict) and p not in node and p in (node.get("role"), node.get("type")):
+            continue  # the tag of the member that `role` (or `type`) picked
         parts.append(str(p))
         if isinstance(node, dict):
             node = node.get(p)

@@ -153,6 +153,12 @@ class AssistantMessage(_Turn):
     content: Text | list[TextPart] | None = None  # may be null when it made tool calls
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1, max_length=MAX_TOOLS)
                           ] | None = None
+    # What an answer's message carries and clients send back whole (`message.model_dump()`):
+    # accepted and ignored (null or empty, as packserve's own answers have them).
+    refusal: Text | None = None
+    annotations: Annotated[list[dict[str, object]], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _says_something(self) -> AssistantMessage:

@@ -45,7 +45,15 @@ from packserve.core.backend import (
 from packserve.errors import InvalidRequest
 from packserve.types import Task
 
-Choice = Literal["none", "auto", "required"] | str  # a str other than those: the named tool
+
+@dataclass(frozen=True)
+class Named:
+    """`tool_choice` naming one function (which may itself be called "none" or "auto")."""
+
+    name: str
+
+
+Choice = Literal["none", "auto", "required"] | Named
 NO_ARGUMENTS: dict[str, object] = {"type": "object", "properties": {},
                                    "additionalProperties": False}
 ARGUMENT_PIECE = 32  # characters of arguments per stream chunk after the call's first
@@ -62,9 +70,9 @@ class ToolUse:
 
     @property
     def callable(self) -> tuple[Tool, ...]:
-        if self.choice in ("none", "auto", "required"):
-            return () if self.choice == "none" else self.tools
-        return tuple(t for t in self.tools if t.name == self.choice)
+        if isinstance(self.choice, Named):
+            return tuple(t for t in self.tools if t.name == self.choice.name)
+        return () if self.choice == "none" else self.tools
 
 
 def tool_use(body: ChatRequest) -> ToolUse | None:
@@ -88,9 +96,9 @@ def tool_use(body: ChatRequest) -> ToolUse | None:
         tools.append(Tool(f.name, f.description or "", parameters))
     choice: Choice = ("auto" if body.tool_choice is None
                       else body.tool_choice if isinstance(body.tool_choice, str)
-                      else body.tool_choice.function.name)
-    if choice not in ("none", "auto", "required") and choice not in seen:
-        raise InvalidRequest(f"tool_choice names function {choice!r}, which is not in tools "
+                      else Named(body.tool_choice.function.name))
+    if isinstance(choice, Named) and choice.name not in seen:
+        raise InvalidRequest(f"tool_choice names function {choice.name!r}, which is not in tools "
                              f"(they are: {', '.join(sorted(seen))})", param="tool_choice")
     use = ToolUse(tuple(tools), choice, None)
     if not use.callable:
@@ -261,8 +269,9 @@ def instructions(use: ToolUse, *, listed: bool) -> str:
     elif use.choice == "required":
         lines.append(f"Answer by calling one of the tools, with only this JSON: {call}.")
     else:
-        lines.append(f'Answer by calling the tool "{use.choice}", with only this JSON: '
-                     f'{call.replace("<tool name>", use.choice)}.')
+        assert isinstance(use.choice, Named)
+        lines.append(f'Answer by calling the tool "{use.choice.name}", with only this JSON: '
+                     f'{call.replace("<tool name>", use.choice.name)}.')
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,17 +129,22 @@ class LlamaCppBackend(Backend):
         if not params.echo:
             return self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
                              params, on_text, chat=False)
+        # No echo with a stream (the route refuses it): `on_text` only says whether to go on.
+        go_on = (lambda: on_text("", ())) if on_text is not None else (lambda: True)
         with self._lock, turn(units=int(self._llm.n_threads)):
-            scored = self._score(prompt, params.logprobs)
-        if params.max_tokens == 0:  # scoring only: nothing is generated
-            return Generated(text="", finish_reason="length", prompt_tokens=len(scored),
+            read, scored, whole = self._score(prompt, params.logprobs, go_on)
+        if params.max_tokens == 0 or not whole:  # scoring only, or the client left
+            return Generated(text="", finish_reason="length", prompt_tokens=read,
                              completion_tokens=0, logprobs=(), prompt_logprobs=scored)
         out = self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
                         params, on_text, chat=False)
         return dataclasses.replace(out, prompt_logprobs=scored)
 
-    def _score(self, prompt: str, top: int | None) -> tuple[TokenLogprob, ...]:
-        """The prompt's tokens and, with `top`, the logprob of each given the ones before it.
+    def _score(self, prompt: str, top: int | None, go_on: Callable[[], bool]
+               ) -> tuple[int, tuple[TokenLogprob, ...], bool]:
+        """The prompt's length in tokens (its BOS included); its tokens (without the BOS)
+        with, given `top`, the logprob of each given the ones before it; and whether all were
+        read: it stops early once `go_on` says the client has gone (checked every slice).
 
         llama.cpp keeps the logits of the last token of each batch only (logits for every
         position, `logits_all`, would cost context x vocabulary x 4 bytes: 2 GiB for Gemma), so
@@ -152,7 +157,7 @@ class LlamaCppBackend(Backend):
         if len(tokens) > llm.n_ctx():
             raise InputTooLong(f"prompt of {len(tokens)} tokens exceeds the context window "
                                f"({llm.n_ctx()}) of {self.name}", param="prompt")
-        steps = _Steps(llm, top or 0)
+        steps = _Steps(llm, top)
         row = None
         llm.reset()
         scored: list[TokenLogprob] = []
@@ -162,10 +167,12 @@ class LlamaCppBackend(Backend):
                               else steps.bare(token))
             if i + 1 < len(tokens) and top is not None:
                 if i and i % PROMPT_SLICE == 0:
+                    if not go_on():
+                        break
                     between_slices()
                 llm.eval([token])
                 row = steps.row(-1)
-        return tuple(scored)
+        return len(tokens), tuple(scored), len(scored) + lead == len(tokens)
 
     def _run(self, call: Any, params: GenerationParams, on_text: OnText | None,
              chat: bool) -> Generated:
@@ -181,10 +188,9 @@ class LlamaCppBackend(Backend):
             "grammar": grammar,
         }
         llm = self._llm
-        steps = None if params.logprobs is None else _Steps(llm, params.logprobs)
+        steps = _Steps(llm, params.logprobs)  # counts the tokens; their logprobs if asked
         with self._lock, turn(units=int(llm.n_threads)):
-            if steps is not None:
-                llm.sample = steps.recording(type(llm).sample.__get__(llm))
+            llm.sample = steps.recording(type(llm).sample.__get__(llm))
             try:
                 if on_text is None:
                     out = call(stream=False, **kwargs)
@@ -194,7 +200,7 @@ class LlamaCppBackend(Backend):
                     return Generated(text=text or "", finish_reason=_finish(choice),
                                      prompt_tokens=out["usage"]["prompt_tokens"],
                                      completion_tokens=completion,
-                                     logprobs=None if steps is None
+                                     logprobs=None if params.logprobs is None
                                      else tuple(steps.sampled[:completion]))
                 return self._stream(call(stream=True, **kwargs), on_text, chat, steps)
             except ValueError as exc:
@@ -202,27 +208,27 @@ class LlamaCppBackend(Backend):
                     raise InputTooLong(f"{exc} of {self.name}; shorten the prompt or lower "
                                        f"max_tokens", param="messages" if chat else "prompt"
                                        ) from exc
+                if chat:  # the chat template's raise_exception: it refuses these messages
+                    raise InvalidRequest(f"the chat template of {self.name} refused the "
+                                         f"messages: {exc}", param="messages") from exc
                 raise
             finally:
-                if steps is not None:
-                    del llm.sample  # back to the class's method
+                del llm.sample  # back to the class's method
 
     def _stream(self, chunks: Iterator[dict[str, Any]], on_text: OnText,
-                chat: bool, steps: _Steps | None) -> Generated:
+                chat: bool, steps: _Steps) -> Generated:
         parts: list[str] = []
         finish = "length"
-        pieces = 0
         sent = 0  # tokens whose logprobs went out with a piece
         try:
             for chunk in chunks:
                 choice = chunk["choices"][0]
                 piece = (choice["delta"].get("content") if chat else choice["text"]) or ""
                 if piece:
-                    pieces += 1
                     parts.append(piece)
                     # The tokens sampled since the last piece made this one (llama-cpp-python
                     # holds text back while it could still be the start of a stop string).
-                    made = () if steps is None else steps.sampled[sent:]
+                    made = steps.sampled[sent:]
                     sent += len(made)
                     if not on_text(piece, made):
                         finish = "stop"
@@ -234,48 +240,57 @@ class LlamaCppBackend(Backend):
             close = getattr(chunks, "close", None)
             if close is not None:
                 close()
-        # Streams carry no usage; llama.cpp's context now holds the prompt and what was decoded.
-        completion = pieces if steps is None else sent
-        prompt = max(0, int(self._llm.n_tokens) - completion)
+        # Streams carry no usage: the sampler counted (end-of-generation tokens aside).
         return Generated(text="".join(parts), finish_reason="stop" if finish == "stop"
-                         else "length", prompt_tokens=prompt, completion_tokens=completion,
-                         logprobs=None if steps is None else tuple(steps.sampled[:sent]))
+                         else "length", prompt_tokens=steps.prompt, completion_tokens=steps.count,
+                         logprobs=None if steps.top is None else tuple(steps.sampled[:sent]))
 
 
 class _Steps:
-    """Logprobs read from the logits llama.cpp computed for a step: one row of the vocabulary,
-    copied while it is current (llama.cpp keeps the last token's logits only). A row is
-    vocabulary x 4 bytes (1 MiB for Gemma's 262k tokens), held for one step; nothing is kept
-    for the whole context."""
+    """What the sampler chose at each step of a generation: how many tokens, how long the prompt
+    was, and with `top` (not None) each token's logprob and the `top` most likely ones.
 
-    def __init__(self, llm: Any, top: int) -> None:
+    Logprobs come from the logits llama.cpp computed for the step: one row of the vocabulary,
+    read while it is current (llama.cpp keeps the last token's logits only); float32, so a row
+    and its temporaries are a few MiB for Gemma's 262k tokens, held for one step and freed.
+    Nothing is kept for the whole context."""
+
+    def __init__(self, llm: Any, top: int | None) -> None:
         self._llm = llm
-        self._top = top
+        self.top = top
         self._vocab = int(llm.n_vocab())
         self._pieces: dict[int, bytes] = {}
-        self.sampled: list[TokenLogprob] = []  # each generated token, end-of-generation excluded
+        self.sampled: list[TokenLogprob] = []  # with `top`: each generated token
+        self.count = 0  # tokens generated, end-of-generation excluded
+        self.prompt = 0  # tokens in the context when the first token was sampled
 
     def row(self, index: int) -> Any:
         """The log-softmax of the logits at `index` of the last batch (-1: its last token)."""
         import numpy as np
 
         logits = np.ctypeslib.as_array(self._llm._ctx.get_logits_ith(index),
-                                       shape=(self._vocab,)).astype(np.float64)
+                                       shape=(self._vocab,))
         peak = logits.max()
-        return logits - (peak + np.log(np.exp(logits - peak).sum()))
+        total = np.exp(logits - peak).sum(dtype=np.float64)
+        return logits - np.float32(peak + np.log(total))
 
     def recording(self, sample: Any) -> Any:
-        """`Llama.sample` that also records the sampled token's logprob and the top ones."""
+        """`Llama.sample` that also counts, and records what `top` asks."""
         from llama_cpp import llama_vocab_is_eog
 
         llm = self._llm
 
         def sample_and_record(*args: Any, **kwargs: Any) -> Any:
             idx = kwargs.get("idx")
-            row = self.row(-1 if idx is None else idx - llm.n_tokens)
+            if not self.count and not self.sampled:
+                self.prompt = int(llm.n_tokens)
+            row = None if self.top is None else self.row(
+                -1 if idx is None else idx - llm.n_tokens)
             token = sample(*args, **kwargs)
             if not llama_vocab_is_eog(llm._model.vocab, token):
-                self.sampled.append(self.entry(row, token))
+                self.count += 1
+                if row is not None:
+                    self.sampled.append(self.entry(row, token))
             return token
 
         return sample_and_record
@@ -284,8 +299,8 @@ class _Steps:
         import numpy as np
 
         top: tuple[Alternative, ...] = ()
-        if self._top:
-            best = np.argpartition(row, -self._top)[-self._top:]
+        if self.top:
+            best = np.argpartition(row, -self.top)[-self.top:]
             best = best[np.argsort(-row[best], kind="stable")]
             top = tuple(Alternative(*self._text(int(t)), float(row[t])) for t in best)
         return TokenLogprob(*self._text(token), float(row[token]), top)
