@@ -20,7 +20,7 @@ from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Schedu
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
 from packserve.planner.sizing import Breakdown
-from packserve.sources import model_roots, resolve_source
+from packserve.sources import Announce, model_roots, resolve_source
 
 if TYPE_CHECKING:
     from packserve.metrics.telemetry import Telemetry
@@ -49,8 +49,8 @@ class Resolved:
         return self.engine.size(self.facts, load, self.spec.name, sequences)
 
 
-def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
-                   ) -> list[Resolved]:
+def resolve_models(config: Config, device: Callable[[str], str] = resolve_device,
+                   announce: Announce = None) -> list[Resolved]:
     """Resolve every model's source through its engine, confined to the model roots (a source
     leading outside them is a ConfigError), and its device with `device` (the
     planner keeps "auto" as it is: sizing hardware must not depend on this host's GPU, nor
@@ -69,7 +69,7 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
         if engine.reads_files:
             try:
                 path = resolve_source(spec.source, base_dir=base, models_dir=models_dir,
-                                      roots=roots)
+                                      roots=roots, announce=announce)
                 facts = facts_by_path.get(path) or read_facts_cached(
                     path, config.data_path / "model_facts.json")
                 facts_by_path[path] = facts
@@ -88,10 +88,11 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
     return out
 
 
-def build_entries(config: Config) -> list[Entry]:
-    """The scheduler's catalog: every model resolved and estimated. Raises ConfigError."""
+def build_entries(config: Config, announce: Announce = None) -> list[Entry]:
+    """The scheduler's catalog: every model resolved and estimated; one-time work on the way
+    is told to `announce`. Raises ConfigError."""
     return [Entry(spec=r.spec, load=r.load, bytes_estimated=r.breakdown().total)
-            for r in resolve_models(config)]
+            for r in resolve_models(config, announce=announce)]
 
 
 def device_budgets(config: Config, devices: set[str], probe: MemoryProbe) -> list[DeviceBudget]:
@@ -129,12 +130,13 @@ def build_scheduler(
     probe: MemoryProbe | None = None,
     sinks: Sequence[EventSink] = (log_event,),
     victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
+    announce: Announce = None,
 ) -> Scheduler:
     """The scheduler for `config`, with each device's victim policy from its `eviction` key
     unless given one (for every device, or by device name: the bench replays other engines'
     rules). Must be called from the thread that runs the event loop."""
     probe = probe or SystemProbe()
-    entries = build_entries(config)  # engines are imported by their first load
+    entries = build_entries(config, announce)  # engines are imported by their first load
     budgets = device_budgets(config, {e.load.device for e in entries}, probe)
     if victim_policy is None:
         victim_policy = {b.name: make_policy(dev.eviction, dev.eviction_horizon_s)

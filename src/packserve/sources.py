@@ -21,7 +21,7 @@ import importlib
 import importlib.util
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from packserve.errors import ConfigError
@@ -45,13 +45,18 @@ def model_roots(configured: Sequence[str] | None, *, base_dir: Path, models_dir:
     return tuple(dict.fromkeys(d.resolve() for d in dirs))
 
 
+# Told what one-time work is under way (the worker passes it on to the front's /readyz).
+Announce = Callable[[str], None] | None
+
+
 def resolve_source(source: str, *, base_dir: Path, models_dir: Path,
-                   roots: Sequence[Path] | None) -> Path:
+                   roots: Sequence[Path] | None, announce: Announce = None) -> Path:
     """Return the GGUF file or model directory `source` names, a real path under one of
     `roots` (from `model_roots`; None only for callers that pick their own sources, such as
-    the benchmarks). Raises ConfigError."""
+    the benchmarks). One-time work on the way (assembling a packaged model) is told to
+    `announce` first. Raises ConfigError."""
     if source.startswith(PACKAGE_PREFIX):
-        path = _from_package(source.removeprefix(PACKAGE_PREFIX), models_dir)
+        path = _from_package(source.removeprefix(PACKAGE_PREFIX), models_dir, announce)
     else:
         path = Path(source).expanduser()
         if not path.is_absolute():
@@ -88,7 +93,7 @@ def package_folder(name: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _from_package(name: str, models_dir: Path) -> Path:
+def _from_package(name: str, models_dir: Path, announce: Announce = None) -> Path:
     folder = package_folder(name)
     if folder is None:
         raise ConfigError(
@@ -111,6 +116,9 @@ def _from_package(name: str, models_dir: Path) -> Path:
         target = models_dir / file_name
         if not target.exists():
             log.info("assembling %s from package %s into %s", file_name, name, target)
+            if announce is not None:
+                announce(f"assembling {file_name} from package {name} into {models_dir} "
+                         f"(first start only)")
         return Path(assemble(target)).resolve()
     raise ConfigError(f"source 'package:{name}': the package holds no GGUF or model directory")
 

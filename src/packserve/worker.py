@@ -64,6 +64,10 @@ class ControlChannel:
         except OSError as exc:  # the front is gone; PR_SET_PDEATHSIG will end us
             log.warning("control pipe write failed: %s", exc)
 
+    def pending(self, what: str) -> None:
+        """Say what the worker is busy with before it can serve (the front's /readyz shows it)."""
+        self.send({"k": "pending", "what": what[:1000]})
+
     def on_event(self, event: object) -> None:
         from packserve.core.events import (
             LoadEvent,
@@ -136,7 +140,9 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     )
 
     assert isinstance(config, Config)
-    scheduler = build_scheduler(config, sinks=(log_event, control.on_event))
+    # One-time work of a first start (assembling a packaged model) shows in the front's /readyz.
+    scheduler = build_scheduler(config, sinks=(log_event, control.on_event),
+                                announce=control.pending)
     for name, reason in quarantine.items():
         if name in scheduler.model_names():
             scheduler.quarantine(name, reason)

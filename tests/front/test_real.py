@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from packserve.config import default_catalog_text
@@ -96,3 +97,29 @@ def test_sigsegv_mid_generation_with_real_engines(real_served: Served) -> None:
     assert crash["signal"] == "SIGSEGV" and crash["models"] == [SMOL]
     print(f"\nrecovery: first embedding from {MINILM} {recovery_s:.2f}s after SIGSEGV "
           f"(worker start + MiniLM load)")
+
+
+def test_a_first_start_says_in_readyz_what_it_is_assembling(tmp_path: Path) -> None:
+    # A fresh data dir: Gemma's GGUF is assembled from its package's chunks, once. The port is
+    # open meanwhile, and /readyz says what the worker is busy with.
+    text = default_catalog_text().replace(
+        "[server]", f'[server]\ndata_dir = "{tmp_path / "data"}"', 1)
+    config = tmp_path / "packserve.toml"
+    config.write_text(text, "utf-8")
+    seen: list[dict[str, object]] = []
+    with serve_process(config, tmp_path, "--models", "gemma-3-270m", wait=False) as srv:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{srv.url}/readyz", timeout=5)
+            except httpx.TransportError:  # not listening yet
+                time.sleep(0.02)
+                continue
+            seen.append(r.json())
+            if r.status_code == 200:
+                break
+            time.sleep(0.02)
+    assert seen and seen[-1]["status"] == "ready", seen[-3:]
+    pending = [b["pending"] for b in seen if "pending" in b]
+    assert pending and "assembling gemma-3-270m" in str(pending[0]), seen[:3]
+    assert "first start only" in str(pending[0])

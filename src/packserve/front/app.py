@@ -191,8 +191,10 @@ def create_front_app(front: Front) -> ASGIApp:
                                 headers={"Retry-After": "5"})
         worker = supervisor.current
         if worker is None or not worker.up.is_set() or worker.dead.done():
-            return JSONResponse({"status": "not_ready", "worker": supervisor.state.value},
-                                status_code=503)
+            body = {"status": "not_ready", "worker": supervisor.state.value}
+            if worker is not None and worker.pending and not worker.dead.done():
+                body["pending"] = worker.pending  # e.g. assembling a model on a first start
+            return JSONResponse(body, status_code=503)
         return await proxy(request)
 
     async def metrics(_: Request) -> Response:

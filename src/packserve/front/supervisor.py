@@ -112,6 +112,7 @@ class Worker:
     running: dict[str, Running] = field(default_factory=dict)
     loading: dict[str, int] = field(default_factory=dict)
     pipe_done: asyncio.Event = field(default_factory=asyncio.Event)
+    pending: str = ""  # what it said it is busy with before it can serve (first-start work)
 
     @property
     def pid(self) -> int:
@@ -128,6 +129,8 @@ class Worker:
             self.running[msg["rid"]] = Running(model=msg["model"], task=msg["task"])
         elif kind == "end":
             self.running.pop(msg["rid"], None)
+        elif kind == "pending":
+            self.pending = str(msg.get("what", ""))
         elif kind == "load":
             self.loading[msg["model"]] = self.loading.get(msg["model"], 0) + 1
         elif kind == "loaded":
