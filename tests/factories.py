@@ -295,6 +295,7 @@ class FakeProbe:
 
     def __init__(self) -> None:
         self.releases = 0
+        self.settles = 0
 
     def total_bytes(self, device: str) -> int:
         return 64 * GIB
@@ -304,6 +305,9 @@ class FakeProbe:
 
     def release(self, device: str) -> None:
         self.releases += 1
+
+    def settle(self) -> None:
+        self.settles += 1
 
 
 class Clock:

@@ -34,3 +34,17 @@ def test_a_llama_only_scheduler_on_a_cpu_host_never_imports_torch(tmp_path: Path
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_settle_freezes_the_live_objects_once_per_new_library() -> None:
+    # In a fresh interpreter: freezing is process-wide.
+    code = (
+        "import gc\n"
+        "from packserve.core.memory import SystemProbe\n"
+        "probe = SystemProbe()\n"
+        "import json, decimal  # a 'library' imported before the first load\n"
+        "probe.settle()\n"
+        "frozen = gc.get_freeze_count()\n"
+        "probe.settle()  # nothing new imported: nothing more frozen\n"
+        "assert gc.get_freeze_count() == frozen > 0, frozen\n")
+    subprocess.run([sys.executable, "-c", code], timeout=60, check=True)

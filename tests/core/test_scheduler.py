@@ -556,6 +556,23 @@ def test_measured_footprint_over_max_memory_never_fits_and_is_unloaded(
     run(body())
 
 
+def test_live_objects_are_settled_only_when_no_other_model_is_loaded() -> None:
+    async def body() -> None:
+        h = harness([entry("a"), entry("b")], budget_mib=1024)
+        probe = h.scheduler._probe
+        assert isinstance(probe, FakeProbe)
+        await use(h.scheduler, "a")  # nothing else loaded: settle
+        await use(h.scheduler, "b")  # `a` is loaded: its objects must stay collectable
+        assert probe.settles == 1
+        await h.scheduler.unload("a")
+        await h.scheduler.unload("b")
+        await use(h.scheduler, "a")
+        assert probe.settles == 2
+        await h.scheduler.close()
+
+    run(body())
+
+
 def test_a_load_that_measures_over_its_estimate_sheds_idle_models_to_stay_in_budget() -> None:
     async def body() -> None:
         # 100 + 250 fits 400 by the estimates; `big` then measures 320, 20 MiB over.

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import sys
 from typing import Protocol
 
 
@@ -28,6 +29,12 @@ class MemoryProbe(Protocol):
         """Return freed memory to the OS or driver. Called after each unload."""
         ...
 
+    def settle(self) -> None:
+        """Called before a load's measurement when no other model is loaded, after its
+        engine's library was imported: what lives now (modules, engine libraries) lives for
+        the process, so later releases need not go over it again."""
+        ...
+
 
 class SystemProbe:
     """The real probe: /proc on CPU, torch.cuda on GPUs."""
@@ -35,6 +42,7 @@ class SystemProbe:
     def __init__(self) -> None:
         libc_name = ctypes.util.find_library("c")
         self._libc = ctypes.CDLL(libc_name) if libc_name else None
+        self._settled_modules = 0  # len(sys.modules) when the live objects were last frozen
 
     def total_bytes(self, device: str) -> int:
         if device.startswith("cuda"):
@@ -64,6 +72,19 @@ class SystemProbe:
         trim = getattr(self._libc, "malloc_trim", None)
         if trim is not None:
             trim(0)
+
+    def settle(self) -> None:
+        """Freeze the objects alive now out of the collector's sight (`gc.freeze`), once per
+        newly imported library. A full collection (each `release`) goes over every object:
+        with torch and sentence-transformers imported that is ~440k objects and 0.2 s holding
+        the GIL, which stalls every request of every other model at each load and unload;
+        frozen, it takes under a millisecond. Only when no model is loaded: a model's object
+        graph has reference cycles, and frozen it would never be collected after its unload."""
+        if len(sys.modules) <= self._settled_modules:
+            return
+        gc.collect()
+        gc.freeze()
+        self._settled_modules = len(sys.modules)
 
 
 # Where NVIDIA's driver shows itself, in a container as on a host. Without it there is no CUDA

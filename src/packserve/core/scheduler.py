@@ -802,6 +802,8 @@ class Scheduler:
             # The engine library is imported on first use (a server with no torch model never
             # imports torch), and before the measurement: its code is not the model's bytes.
             backend.prepare()
+            if alone:
+                self._probe.settle()
             self._probe.release(device)
             before = self._probe.used_bytes(device)
             try:
@@ -813,6 +815,9 @@ class Scheduler:
             grown = self._probe.used_bytes(device) - before
             return backend, max(grown, backend.weight_bytes())
 
+        # No other model's objects alive: the live ones may be frozen out of the collector.
+        alone = not any(self._view(r).holds_memory for r in self._residents.values()
+                        if r is not res)
         self._emit(LoadStartEvent(model=res.label, device=device))
         backend, measured = await self._run(build)
         seconds = self._clock() - t0
