@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,7 +14,7 @@ from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
 from packserve.core.events import RequestEvent
 from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
-from packserve.metrics.telemetry import Telemetry
+from packserve.metrics.telemetry import Telemetry, percentile
 from packserve.types import Task
 from tests.factories import Running
 
@@ -169,3 +170,10 @@ def test_real_model_tokens_match_usage(default_server: Running) -> None:
     assert delta("all-minilm-l6-v2", "input") == emb["usage"]["prompt_tokens"]
     assert delta("gemma-3-270m", "completion") == usage["completion_tokens"]
     assert delta("gemma-3-270m", "prompt") == usage["prompt_tokens"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 20, 101])
+def test_percentiles_match_numpys_linear_interpolation(n: int) -> None:
+    values = sorted((i * 7919 % 101) / 13 for i in range(n))
+    for q in (50, 95):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))

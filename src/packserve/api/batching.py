@@ -13,8 +13,6 @@ import contextlib
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from packserve.core.backend import Embeddings, Runner
 from packserve.core.compute import TICKET, Ticket
 
@@ -90,7 +88,7 @@ class EmbedBatcher:
         for p in batch:
             end = start + len(p.texts)
             if not p.future.done():
-                p.future.set_result(Embeddings(vectors=np.asarray(out.vectors[start:end]),
+                p.future.set_result(Embeddings(vectors=out.vectors[start:end],
                                                tokens=out.tokens[start:end]))
             start = end
 
