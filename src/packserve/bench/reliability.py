@@ -461,6 +461,28 @@ def drain(server: Server, drain_s: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------- engine imports
 
 
+AT_REST_MIB = 80  # issue 13's goal: a llama-only server idle, all its processes, PSS
+AT_REST_HEALTHZ_S = 1.5  # and /healthz answering after a start with a populated data dir
+
+
+def at_rest(config: Path, log: Path) -> dict[str, Any]:
+    """A server with only the llama.cpp chat model, started on a data dir that already holds
+    what a first start prepares: seconds from spawn to /healthz (polled every 0.1 s), and the
+    PSS of every one of its processes once the worker is up, with no model loaded."""
+    argv = packserve_argv("--config", str(config), "--models", CHAT_MODEL)
+    with run_server(argv, health="/readyz", log=log):
+        pass  # the first start: facts read and cached, files assembled
+    t0 = time.perf_counter()
+    with run_server(argv, health="/healthz", log=log) as server, server.client() as c:
+        healthz_s = time.perf_counter() - t0
+        deadline = time.monotonic() + 120
+        while c.get("/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # let the idle worker settle
+        snap = memory_snapshot(server, c)
+    return {"model": CHAT_MODEL, "healthz_s": healthz_s, "idle": snap}
+
+
 def engine_import_seconds() -> dict[str, float]:
     """Seconds a fresh interpreter takes to import each engine's library, in order: the part
     of a model's first load_seconds in a new worker that is the engine's import."""
@@ -523,6 +545,7 @@ def run(opts: Options) -> Report:
         advance(1, "crash and recovery")
         drained = drain(server, drain_s)
         advance(1, "drain")
+    rest = at_rest(config, log)
     imports = engine_import_seconds()  # with the server gone: a quiet machine
 
     # ---- figures
@@ -550,6 +573,11 @@ def run(opts: Options) -> Report:
                          mib(snap["front"]["rss_bytes"]), mib(snap["worker"]["pss_bytes"]),
                          mib(snap["worker"]["rss_bytes"]), mib(snap["total_pss_bytes"]),
                          snap["total_over_worker"]])
+    rest_snap = rest["idle"]
+    mem_rows.append([f"idle, {CHAT_MODEL} only (restart)", mib(rest_snap["front"]["pss_bytes"]),
+                     mib(rest_snap["front"]["uss_bytes"]), mib(rest_snap["front"]["rss_bytes"]),
+                     mib(rest_snap["worker"]["pss_bytes"]), mib(rest_snap["worker"]["rss_bytes"]),
+                     mib(rest_snap["total_pss_bytes"]), rest_snap["total_over_worker"]])
     dd = drained.get("during_drain", {})
     fig_rows: list[list[object]] = [
         ["crash: kill -> first 200 from MiniLM (s)", round(recovery_s, 2)],
@@ -576,6 +604,8 @@ def run(opts: Options) -> Report:
          round(added_ms, 2)],
         ["hop: the front's CPU ms per relayed request, batch-32 / single",
          f"{front_cpu_batch_ms:.2f} / {front_cpu_single_ms:.2f}"],
+        [f"at rest: spawn -> /healthz 200, {CHAT_MODEL} only, restart (s)",
+         round(rest["healthz_s"], 2)],
         ["drain: SIGTERM -> process exit (s)", round(drained["exit_s"], 2)],
         ["drain: in-flight chat status, tokens",
          f"{drained['in_flight_chat'].get('status')}, "
@@ -610,6 +640,7 @@ def run(opts: Options) -> Report:
                 "median_of_paired_batch_ratios": median(series.batch_pair_ratio),
                 "added_latency_ms": added_ms},
         "drain": drained,
+        "at_rest": rest,
         "tables": [
             {"columns": ["when", "front PSS MiB", "front USS MiB", "front RSS MiB",
                          "worker PSS MiB", "worker RSS MiB", "total PSS MiB", "total / worker"],
@@ -631,6 +662,11 @@ def run(opts: Options) -> Report:
         Goal("reliability: drain, SIGTERM to exit / drain_s", exit_ratio, 1.0, "<="),
         Goal("reliability: drain, in-flight requests answered 200 / in flight", inflight_ok,
              1.0, ">="),
+        Goal(f"at rest: idle PSS of a {CHAT_MODEL}-only server, all processes / "
+             f"{AT_REST_MIB} MiB", rest_snap["total_pss_bytes"] / (AT_REST_MIB * MIB), 1.0,
+             "<="),
+        Goal(f"at rest: spawn -> /healthz after a restart / {AT_REST_HEALTHZ_S} s",
+             rest["healthz_s"] / AT_REST_HEALTHZ_S, 1.0, "<="),
     ]
     report.notes += [
         "PSS splits the pages the front and the worker share (libpython, shared objects, page "
