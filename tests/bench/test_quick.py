@@ -49,6 +49,11 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
             assert p["bytes_loaded"] >= min(results["footprints_bytes"].values())
             assert p["reload_s"] > 0 and p["runs"], label
         assert results["offline"]["belady"]["loads"] <= results["offline"]["lru"]["loads"]
+    if scenario == "packing":  # the bare engines ran beside the servers, MiniLM's once
+        assert len(results["bare_pss_bytes"]) == 1 and results["ratio_bare_engines"] > 0
+    if scenario == "reliability":
+        assert results["at_rest"]["healthz_s"] > 0
+        assert results["at_rest"]["idle"]["total_pss_bytes"] > 0
     if scenario == "coldstart":
         assert [r["load_nice"] for r in results["loads_beside_traffic"]] == [0, 10]
 
