@@ -116,8 +116,10 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     tmp = tmp_path_factory.mktemp("pool")
     keys_file = tmp / "keys.toml"
     admin = auth.mint(keys_file, "ops", ["*"], True)
+    # "slow": one request per 100 s, so that its second is refused however long a cold first
+    # one takes on a busy machine (at 0.2/s, a 5 s first load let the second through).
     limited = {"embed-only": auth.mint(keys_file, "embed-only", [EMBED], False),
-               "slow": auth.mint(keys_file, "slow", ["*"], False, requests_per_second=0.2)}
+               "slow": auth.mint(keys_file, "slow", ["*"], False, requests_per_second=0.01)}
     with ray_cluster(nodes=2) as cluster:
         config = tmp / "pool.toml"
         config.write_text(
@@ -204,6 +206,9 @@ def test_keys_scopes_and_limits_hold_at_the_entry_point(pool: Pool) -> None:
         pool.client("sk-packserve-wrong").models.list()
     scoped = pool.client(pool.keys["embed-only"])
     assert [m.id for m in scoped.models.list().data] == [EMBED]
+    assert scoped.models.retrieve(EMBED).id == EMBED
+    with pytest.raises(openai.NotFoundError, match="no access"):  # as if it did not exist
+        scoped.models.retrieve(CHAT)
     with pytest.raises(openai.NotFoundError, match="no access"):
         scoped.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "x"}])
     assert httpx.get(f"{url}/v1/pool", timeout=10, headers={

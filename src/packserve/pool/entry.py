@@ -186,16 +186,28 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         finally:
             release.done(final=not stream)
 
-    async def models(_: Request) -> JSONResponse:
+    def model_rows() -> list[dict[str, Any]]:
+        """Every model the caller may call, in its best state on any replica."""
         best: dict[str, str] = {}
         for _g, _r, stats in pool.replicas():
             for name, m in stats.get("models", {}).items():
                 if _STATE_RANK.get(m["state"], 4) < _STATE_RANK.get(best.get(name, "cold"), 4):
                     best[name] = m["state"]
-        return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
-             "tasks": [t.value for t in m.tasks], "state": best.get(m.name, "cold")}
-            for m in pool.config.models if may_call(m.name)]})
+        return [{"id": m.name, "object": "model", "created": 0, "owned_by": "packserve",
+                 "tasks": [t.value for t in m.tasks], "state": best.get(m.name, "cold")}
+                for m in pool.config.models if may_call(m.name)]
+
+    async def models(_: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": model_rows()})
+
+    async def one_model(request: Request) -> JSONResponse:
+        """The openai SDK's models.retrieve; unknown and out of scope look the same."""
+        name = request.path_params["model"]
+        for row in model_rows():
+            if row["id"] == name:
+                return JSONResponse(row)
+        return _error(404, f"model {name!r} does not exist or you have no access to it",
+                      "invalid_request_error", "model_not_found", param="model")
 
     async def view(_: Request) -> JSONResponse:
         return JSONResponse(pool_view(pool))
@@ -315,6 +327,7 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/metrics/summary", summary, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", one_model, methods=["GET"]),
         Route("/v1/pool", view, methods=["GET"]),
         Route("/v1/residency", residency, methods=["GET"]),
         Route("/v1/residency/plan", residency, methods=["GET"]),
