@@ -10,6 +10,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLogprob
 
+from packserve.api.generation import TextCompletion
+from packserve.core.backend import Generated, TokenLogprob
 from tests.factories import Running
 
 pytestmark = pytest.mark.real
@@ -132,3 +134,20 @@ def test_bad_logprobs_requests_are_400s(default_server: Running, route: str,
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param
+
+
+def test_text_offsets_count_characters_when_a_token_splits_one() -> None:
+    # "é" is two bytes; a byte-level tokenizer may give each its own token.
+    tokens = (TokenLogprob("a", b"a", None), TokenLogprob("\ufffd", b"\xc3", -1.0),
+              TokenLogprob("\ufffd", b"\xa9", -1.0), TokenLogprob(" b", b" b", -1.0))
+    reply = TextCompletion("m", ["a\u00e9 b"], logprobs=True, echo=True)
+    out = Generated(text="", finish_reason="length", prompt_tokens=4, completion_tokens=0,
+                    logprobs=(), prompt_logprobs=tokens)
+    choice = reply.choice(0, out)
+    assert choice["text"] == "a\u00e9 b"
+    assert choice["logprobs"]["text_offset"] == [0, 1, 1, 2]
+    # Streamed (without echo), the offsets go on from the prompt's end across chunks.
+    stream = TextCompletion("m", ["x"], logprobs=True)
+    first = stream.delta("\u00e9", None, tokens[1:3])["logprobs"]["text_offset"]
+    second = stream.delta(" b", None, tokens[3:])["logprobs"]["text_offset"]
+    assert (first, second) == ([1, 1], [2])

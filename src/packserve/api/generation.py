@@ -9,6 +9,7 @@ choice; a new generation route is one more `Completion` subclass.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import time
@@ -133,34 +134,43 @@ class TextCompletion(Completion):
         # Where the next streamed token starts in the text (OpenAI counts from the prompt's
         # start: a completion's first token sits at len(prompt)).
         self._offset = 0 if echo or not self.prompts else len(self.prompts[0])
+        self._bytes = self._utf8()  # one decoder across a stream's chunks
 
     def choice(self, index: int, out: Generated) -> dict[str, Any]:
         prompt = self.prompts[index] if self.echo else ""
         tokens = [*(out.prompt_logprobs or ()), *(out.logprobs or ())]
         start = 0 if self.echo else len(self.prompts[index])
         return {"index": index, "text": prompt + out.text, "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(tokens, start)}
+                "logprobs": self._logprobs(tokens, start, self._utf8())[0]}
 
     def delta(self, text: str | None, finish: FinishReason | None,
               logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
-        shape = self._logprobs(logprobs, self._offset) if text is not None else None
-        self._offset += sum(len(t.token) for t in logprobs)
+        shape = None
+        if text is not None:
+            shape, self._offset = self._logprobs(logprobs, self._offset, self._bytes)
         return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": shape}
 
-    def _logprobs(self, tokens: Sequence[TokenLogprob], start: int) -> dict[str, Any] | None:
+    @staticmethod
+    def _utf8() -> codecs.IncrementalDecoder:
+        return codecs.getincrementaldecoder("utf-8")("ignore")
+
+    def _logprobs(self, tokens: Sequence[TokenLogprob], start: int,
+                  decoder: codecs.IncrementalDecoder) -> tuple[dict[str, Any] | None, int]:
         """OpenAI's legacy shape: parallel lists of tokens, their logprobs (None for the first
         token of an echoed prompt), the alternatives and where each token starts."""
         if not self.logprobs:
-            return None
+            return None, start
         offsets, at = [], start
         for t in tokens:
             offsets.append(at)
-            at += len(t.token)
+            # Offsets count characters of the text: a token holding part of a multi-byte
+            # character adds nothing until the one that completes it.
+            at += len(decoder.decode(t.bytes))
         return {"tokens": [t.token for t in tokens],
                 "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": [None if t.logprob is None
                                  else {a.token: a.logprob for a in t.top} for t in tokens],
-                "text_offset": offsets}
+                "text_offset": offsets}, at
 
 
 async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Generate], *,
