@@ -163,3 +163,9 @@ def test_an_answer_sent_back_whole_is_accepted() -> None:
     body = _body(messages=[{"role": "user", "content": "hi"}, sent_back,
                            {"role": "tool", "tool_call_id": "call_1", "content": "done"}])
     assert [m.role for m in body.messages] == ["user", "assistant", "tool"]
+
+
+def test_parameters_that_are_not_an_object_schema_are_refused() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        tool_use(_body(tools=[_tool("a", {"type": "string"})]))
+    assert caught.value.param == "tools" and "object schema" in caught.value.message

@@ -91,6 +91,10 @@ def tool_use(body: ChatRequest) -> ToolUse | None:
             raise InvalidRequest(f"two tools are named {f.name!r}; names must be unique",
                                  param="tools")
         seen.add(f.name)
+        if f.parameters is not None and f.parameters.get("type", "object") != "object":
+            raise InvalidRequest(f"tools[{i}].function.parameters must be an object schema "
+                                 f"(arguments are a JSON object), got type "
+                                 f"{f.parameters.get('type')!r}", param="tools")
         parameters = NO_ARGUMENTS if f.parameters is None else checked_schema(
             f.parameters, "tools", f"tools[{i}].function.parameters")
         tools.append(Tool(f.name, f.description or "", parameters))
@@ -307,8 +311,8 @@ async def chat_with_tools(s: Services, body: ChatRequest, params: GenerationPara
         try:
             return runner.chat(turns(body.messages, use, native), asked, on_text)
         except InvalidRequest as exc:  # the engine could not make a grammar of the envelope
-            if exc.param != "response_format":
-                raise
+            if exc.param != "response_format" or use.envelope is None:
+                raise  # without an envelope the grammar is response_format's own
             raise InvalidRequest(f"{exc.message} (in tools)", param="tools") from exc
 
     inputs = Inputs([m.text for m in body.messages], "messages", also=tool_texts(body, use))
