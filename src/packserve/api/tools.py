@@ -91,12 +91,12 @@ def tool_use(body: ChatRequest) -> ToolUse | None:
             raise InvalidRequest(f"two tools are named {f.name!r}; names must be unique",
                                  param="tools")
         seen.add(f.name)
-        if f.parameters is not None and f.parameters.get("type", "object") != "object":
-            raise InvalidRequest(f"tools[{i}].function.parameters must be an object schema "
-                                 f"(arguments are a JSON object), got type "
-                                 f"{f.parameters.get('type')!r}", param="tools")
         parameters = NO_ARGUMENTS if f.parameters is None else checked_schema(
             f.parameters, "tools", f"tools[{i}].function.parameters")
+        if parameters.get("type", "object") != "object":  # a valid schema, of something else
+            raise InvalidRequest(f"tools[{i}].function.parameters must be an object schema "
+                                 f"(arguments are a JSON object), got type "
+                                 f"{parameters.get('type')!r}", param="tools")
         tools.append(Tool(f.name, f.description or "", parameters))
     choice: Choice = ("auto" if body.tool_choice is None
                       else body.tool_choice if isinstance(body.tool_choice, str)
