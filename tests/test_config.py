@@ -218,7 +218,7 @@ def spec(backend: str, tasks: list[str], **extra: object) -> ModelSpec:
 
 
 @pytest.mark.parametrize(("backend", "tasks", "expected"), [
-    ("llama-cpp", ["chat"], 1),
+    ("llama-cpp", ["chat"], 1),  # its parallel slots: one unless the entry asks
     ("sentence-transformers", ["embed"], 32),
     ("cross-encoder", ["rerank"], 32),
 ])
@@ -228,9 +228,18 @@ def test_concurrency_defaults_per_backend(backend: str, tasks: list[str], expect
 
 def test_concurrency_explicit_wins() -> None:
     assert spec("llama-cpp", ["chat"], max_concurrency=3).concurrency == 3
+    assert spec("llama-cpp", ["chat"], parallel=2).concurrency == 2
+    assert spec("llama-cpp", ["chat"], parallel=2, max_concurrency=8).concurrency == 8
+
+
+def test_parallel_is_refused_for_engines_that_decode_no_sequences() -> None:
+    with pytest.raises(ValueError, match="parallel"):
+        spec("sentence-transformers", ["embed"], parallel=2)
+    with pytest.raises(ValueError, match="parallel"):
+        spec("sentence-transformers", ["embed"], parallel_cache="per_slot")
 
 
 def test_default_catalog_concurrency() -> None:
     by_backend = {m.backend: m.concurrency for m in load_config(None).models}
-    assert by_backend["llama-cpp"] == 1
+    assert by_backend["llama-cpp"] == 1  # its parallel slots: one unless the entry asks
     assert by_backend["sentence-transformers"] == 32

@@ -160,6 +160,12 @@ class ModelSpec(_Strict):
     # scheduler's deadline. Default: `[server.slo]` for the model's first task.
     slo_s: float | None = Field(default=None, gt=0, le=86_400)
     threads: int | None = Field(default=None, ge=1, le=1024)  # llama.cpp; default: half the cores
+    # llama.cpp: sequences decoded together in one batch (parallel slots). Default: the
+    # engine's. "shared": the slots share one KV cache of context_length tokens (no memory
+    # over one sequence; greedy answers may differ slightly with their neighbours);
+    # "per_slot": each slot has its own, counted in the footprint (answers as if alone).
+    parallel: int | None = Field(default=None, ge=1, le=64)
+    parallel_cache: Literal["shared", "per_slot"] = "shared"
     # Chat with tools on a model whose chat template cannot show them: packserve's generic tool
     # prompt (the tools listed in a system message, calls and results as plain turns). Off: 400.
     tool_prompt: bool = False
@@ -204,13 +210,19 @@ class ModelSpec(_Strict):
                 f"backend {self.backend!r} cannot do {', '.join(bad)} "
                 f"(it does {', '.join(sorted(t.value for t in allowed))})"
             )
+        if (self.parallel is not None or self.parallel_cache != "shared") \
+                and not backends.get(self.backend).default_parallel:
+            raise ValueError(f"parallel: backend {self.backend!r} decodes no sequences in "
+                             f"parallel")
         return self
 
     @property
     def concurrency(self) -> int:
         from packserve import backends
 
-        return self.max_concurrency or backends.get(self.backend).default_concurrency
+        engine = backends.get(self.backend)
+        return self.max_concurrency or max(engine.default_concurrency,
+                                           self.parallel or engine.default_parallel)
 
 
 class PoolGroup(_Strict):

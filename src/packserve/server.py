@@ -43,10 +43,12 @@ class Resolved:
     load: LoadSpec
     facts: ModelFacts | None  # None for an engine that reads no files
 
-    def breakdown(self, context: int | None = None, sequences: int = 1) -> Breakdown:
-        """What this entry's load holds, by kind (at another `context`, for the planner)."""
+    def breakdown(self, context: int | None = None, sequences: int | None = None) -> Breakdown:
+        """What this entry's load holds, by kind (at another `context` or number of concurrent
+        sequences, for the planner; by default the load's own: its `parallel` slots)."""
         load = self.load if context is None else replace(self.load, context_length=context)
-        return self.engine.size(self.facts, load, self.spec.name, sequences)
+        return self.engine.size(self.facts, load, self.spec.name,
+                                self.load.parallel if sequences is None else sequences)
 
 
 def resolve_models(config: Config, device: Callable[[str], str] = resolve_device,
@@ -83,7 +85,8 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
         load = engine.load_spec(path, device(spec.device),
                                 engine.context(spec.context_length, facts), spec.max_batch,
                                 {"trust_remote_code": spec.trust_remote_code,
-                                 "allow_pickle": spec.allow_pickle}, spec.threads or 0)
+                                 "allow_pickle": spec.allow_pickle}, spec.threads or 0,
+                                spec.parallel or 0, spec.parallel_cache == "per_slot")
         out.append(Resolved(spec=spec, engine=engine, load=load, facts=facts))
     return out
 

@@ -2,24 +2,30 @@
 
 Weights are read into memory (`use_mmap=False`) so that the bytes the scheduler counts are the
 bytes the process holds; with mmap the page cache would hold them and RSS would lie.
-One llama.cpp context decodes one sequence at a time: calls are serialised by a lock. Each call
-computes in its device's compute turn (`core.compute`) and hands the turn over between tokens
-when a request with an earlier deadline waits. Threads: the entry's `threads`, else
-llama-cpp-python's default (half the cores): on a 2-core box, 2 decode threads beside any other
-busy thread (a load, the HTTP front) stalled a 0.4 s generation for 6-13 s now and then
-(llama.cpp's threads spin at each barrier while one of them waits for a core).
+With `parallel` slots (the load's `LoadSpec.parallel` > 1) chats and completions are decoded
+together, several sequences per llama.cpp batch (`llama_batch.BatchDecoder`); echo scoring,
+completions of an empty prompt and chats in a built-in (non-Jinja) chat format go through
+llama-cpp-python's own one-sequence path, alone in the context (`BatchDecoder.exclusive`).
+With one slot every call takes that path, serialised by a lock. Each call computes in its
+device's compute turn (`core.compute`; a batched step in the most urgent one's) and hands the
+turn over between tokens when a request with an earlier deadline waits. Threads: the entry's
+`threads`, else llama-cpp-python's default (half the cores): on a 2-core box, 2 decode threads
+beside any other busy thread (a load, the HTTP front) stalled a 0.4 s generation for 6-13 s now
+and then (llama.cpp's threads spin at each barrier while one of them waits for a core).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from packserve.backends.llama_batch import BatchDecoder, Job
 from packserve.core.backend import (
     Alternative,
     Backend,
@@ -30,7 +36,7 @@ from packserve.core.backend import (
     OnText,
     TokenLogprob,
 )
-from packserve.core.compute import between_slices, between_tokens, turn, usable_cores
+from packserve.core.compute import TICKET, between_slices, between_tokens, turn, usable_cores
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong, InvalidRequest
@@ -66,6 +72,8 @@ def schema_grammar(schema: dict[str, object] | None) -> Any:
 
 class LlamaCppBackend(Backend):
     _llm: Any = None
+    _decoder: BatchDecoder | None = None
+    _formatter: Any = None  # the model's Jinja chat template, with parallel slots
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,24 +90,49 @@ class LlamaCppBackend(Backend):
             raise ConfigError(f"{self.name}: device {self.spec.device} asked, but "
                               f"llama-cpp-python was built without GPU support")
         threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
-        self._llm = Llama(
-            model_path=str(self.spec.path),
-            n_ctx=self.spec.context_length,
-            n_gpu_layers=-1 if on_gpu else 0,
-            main_gpu=int(self.spec.device.partition(":")[2] or 0) if on_gpu else 0,
-            use_mmap=False,
-            n_threads=threads,
-            # Prompts decode with as many threads as tokens do: the compute gate lends the
-            # call that many cores (llama-cpp-python's default would take every core).
-            n_threads_batch=threads,
-            verbose=False,
-        )
+        # Prompts and batches decode with as many threads as tokens do: the compute gate lends
+        # the call that many cores. Every core for steps of several tokens (llama-cpp-python's
+        # default) made four streams 1.55x one stream on a quiet 2-core box but 0.9x while
+        # another process held a core (docs/benchmarks.md, parallel decode): `threads` it is.
+        slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
+        batch_threads = threads
+        context = self.spec.context_length
+        # Slots sharing one cache: `context` cells for all; a cache per slot: `context` each.
+        fields = {} if slots == 1 else {"n_seq_max": slots, "kv_unified": not per_slot}
+        with _BUILD, _context_params(fields):
+            self._llm = Llama(
+                model_path=str(self.spec.path),
+                n_ctx=context * slots if per_slot else context,
+                n_gpu_layers=-1 if on_gpu else 0,
+                main_gpu=int(self.spec.device.partition(":")[2] or 0) if on_gpu else 0,
+                use_mmap=False,
+                n_threads=threads,
+                n_threads_batch=batch_threads,
+                flash_attn=slots > 1 and per_slot,  # batch-invariant (llama_batch's doc)
+                verbose=False,
+            )
+        self._llm._n_ctx = context  # one sequence's window, for llama-cpp-python's checks
         self._llm.eval = _sliced(self._llm.eval)
+        if slots > 1:
+            self._decoder = BatchDecoder(self._llm, slots=slots, threads=threads,
+                                         batch_threads=batch_threads, unified=not per_slot)
+            self._formatter = _chat_formatter(self._llm)
 
     def unload(self) -> None:
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.close()
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.close()
+
+    def _alone(self) -> contextlib.AbstractContextManager[Any]:
+        """The context to one call of llama-cpp-python's own path: the lock, or with parallel
+        slots the decoder's exclusive turn (which waits for the batch to drain)."""
+        return self._decoder.exclusive() if self._decoder is not None else self._lock
+
+    def _n_ctx(self) -> int:
+        return self._decoder.context if self._decoder is not None else int(self._llm.n_ctx())
 
     def weight_bytes(self) -> int:
         return int(self._llm._model.size()) if self._llm is not None else 0
@@ -120,6 +153,16 @@ class LlamaCppBackend(Backend):
         tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                    "parameters": t.parameters}}
                  for t in params.tools] or None
+        if self._decoder is not None and self._formatter is not None:
+            try:
+                rendered = self._formatter(messages=wire, tools=tools)
+            except ValueError as exc:  # the chat template's raise_exception
+                raise InvalidRequest(f"the chat template of {self.name} refused the "
+                                     f"messages: {exc}", param="messages") from exc
+            tokens = self._llm.tokenize(rendered.prompt.encode("utf-8"),
+                                        add_bos=not rendered.added_special, special=True)
+            extra = rendered.stop if isinstance(rendered.stop, list) else [rendered.stop or ""]
+            return self._batched(tokens, params, on_text, (*params.stop, *extra), "messages")
         return self._run(lambda **kw: self._llm.create_chat_completion(messages=wire,
                                                                        tools=tools, **kw),
                          params, on_text, chat=True)
@@ -127,11 +170,14 @@ class LlamaCppBackend(Backend):
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         if not params.echo:
+            if self._decoder is not None and prompt:
+                return self._batched(_completion_tokens(self._llm, prompt), params, on_text,
+                                     params.stop, "prompt")
             return self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
                              params, on_text, chat=False)
         # No echo with a stream (the route refuses it): `on_text` only says whether to go on.
         go_on = (lambda: on_text("", ())) if on_text is not None else (lambda: True)
-        with self._lock, turn(units=int(self._llm.n_threads)):
+        with self._alone(), turn(units=int(self._llm.n_threads)):
             read, scored, whole = self._score(prompt, params.logprobs, go_on)
         if params.max_tokens == 0 or not whole:  # scoring only, or the client left
             return Generated(text="", finish_reason="length", prompt_tokens=read,
@@ -154,9 +200,9 @@ class LlamaCppBackend(Backend):
         text = prompt.encode("utf-8")
         tokens = llm.tokenize(text, add_bos=True, special=True)
         lead = len(tokens) - len(llm.tokenize(text, add_bos=False, special=True))  # BOS
-        if len(tokens) > llm.n_ctx():
+        if len(tokens) > self._n_ctx():
             raise InputTooLong(f"prompt of {len(tokens)} tokens exceeds the context window "
-                               f"({llm.n_ctx()}) of {self.name}", param="prompt")
+                               f"({self._n_ctx()}) of {self.name}", param="prompt")
         steps = _Steps(llm, top)
         row = None
         llm.reset()
@@ -189,7 +235,7 @@ class LlamaCppBackend(Backend):
         }
         llm = self._llm
         steps = _Steps(llm, params.logprobs)  # counts the tokens; their logprobs if asked
-        with self._lock, turn(units=int(llm.n_threads)):
+        with self._alone(), turn(units=int(llm.n_threads)):
             llm.sample = steps.recording(type(llm).sample.__get__(llm))
             try:
                 if on_text is None:
@@ -214,6 +260,32 @@ class LlamaCppBackend(Backend):
                 raise
             finally:
                 del llm.sample  # back to the class's method
+
+    def _batched(self, tokens: list[int], params: GenerationParams, on_text: OnText | None,
+                 stop: Sequence[str], param: str) -> Generated:
+        """Generate through the decoder's parallel slots, as llama-cpp-python's
+        `create_completion` would for these tokens (its sampler chain, stop strings, context
+        checks), beside other requests' sequences. Waits in this thread for the answer, holding
+        no compute turn (the decoder holds one per step)."""
+        n_ctx = self._n_ctx()
+        assert self._decoder is not None
+        if len(tokens) >= n_ctx:
+            raise InputTooLong(f"Requested tokens ({len(tokens)}) exceed context window of "
+                               f"{n_ctx} of {self.name}; shorten the prompt or lower "
+                               f"max_tokens", param=param)
+        room = n_ctx - len(tokens)
+        grammar = None
+        if params.json_schema is not None or params.json_object:
+            grammar = schema_grammar(params.json_schema)
+        job = Job(prompt=tokens,
+                  max_tokens=min(params.max_tokens, room) if params.max_tokens else room,
+                  temperature=params.temperature, top_p=params.top_p,
+                  seed=None if params.seed is None else params.seed % 2**32,
+                  stop=tuple(s.encode("utf-8") for s in stop if s), grammar=grammar,
+                  recorder=None if params.logprobs is None else _Steps(self._llm,
+                                                                       params.logprobs),
+                  ticket=TICKET.get())
+        return self._decoder.run(job, on_text)
 
     def _stream(self, chunks: Iterator[dict[str, Any]], on_text: OnText,
                 chat: bool, steps: _Steps) -> Generated:
@@ -336,6 +408,63 @@ def template_renders_tools(template: str) -> bool:
     return _PROBE_TOOL in prompt
 
 
+# Held while a `Llama` is built with `_context_params` (a module attribute, patched meanwhile).
+_BUILD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _context_params(fields: Mapping[str, object]) -> Iterator[None]:
+    """llama-cpp-python's `Llama` takes no `n_seq_max` nor `kv_unified`: while one is built
+    (holding `_BUILD`), the default context parameters it starts from carry `fields`, so its
+    one context is made with them (no second context, no KV cache made and freed)."""
+    import llama_cpp.llama_cpp as low
+
+    module: Any = low
+    real = module.llama_context_default_params
+
+    def with_fields() -> Any:
+        params = real()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    module.llama_context_default_params = with_fields
+    try:
+        yield
+    finally:
+        module.llama_context_default_params = real
+
+
+def _chat_formatter(llm: Any) -> Any:
+    """The formatter behind llama-cpp-python's handler for the model's own Jinja chat template
+    (as `Llama.__init__` builds it), or None when the model uses a built-in chat format."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = llm.metadata.get("tokenizer.chat_template")
+    if llm.chat_format != "chat_template.default" or llm.chat_handler is not None \
+            or not template:
+        return None
+    eos, bos = llm.token_eos(), llm.token_bos()
+    return Jinja2ChatFormatter(template=template,
+                               eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
+                               bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
+                               stop_token_ids=[eos])
+
+
+def _completion_tokens(llm: Any, prompt: str) -> list[int]:
+    """The tokens llama-cpp-python's `create_completion` reads for a non-empty text prompt
+    without a suffix: a BOS (or CLS) when the model adds one, the text with special tokens
+    parsed, and an EOS (or SEP) when the model adds one."""
+    model = llm._model
+    cls, sep = model.token_cls(), model.token_sep()
+    bos = cls if cls != -1 else llm.token_bos()
+    head = [bos] if model.add_bos_token() and bos != -1 else []
+    tail = [] if not model.add_eos_token() and sep == -1 else [sep if sep != -1
+                                                               else llm.token_eos()]
+    text: list[int] = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+    return head + text + tail
+
+
 def _wire(m: Message) -> dict[str, Any]:
     """A message as chat templates read it (Hugging Face's convention: a call's arguments as
     an object, a tool result with its call's id)."""
@@ -381,15 +510,21 @@ def _context(requested: int | None, facts: ModelFacts | None) -> int:
 
 def _size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:
     assert facts is not None  # reads_files
-    return llama_cpp_breakdown(shape_of(facts, name), load.context_length, sequences)
+    return llama_cpp_breakdown(shape_of(facts, name), load.context_length, sequences,
+                               shared_cache=sequences > 1 and not load.cache_per_slot)
 
 
 def _gguf(path: Path) -> str | None:
     return None if path.suffix == ".gguf" else f"a .gguf file, got {path}"
 
 
-# One request at a time per llama.cpp context.
+# Sequences decoded together unless the entry sets `parallel`: one, so far. On the 2-core build
+# machine four slots made four concurrent chats 1.15x one stream (the goal is 2x), and a shared
+# cache lets greedy answers drift with their neighbours (docs/benchmarks.md, parallel decode);
+# an operator opts in per model until a machine with more cores, or a GPU, says otherwise.
+DEFAULT_PARALLEL = 1
+
 ENGINE = Engine(name="llama-cpp", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
                 default_concurrency=1, build=LlamaCppBackend, size=_size, check_source=_gguf,
-                context=_context, library="llama_cpp")
+                context=_context, library="llama_cpp", default_parallel=DEFAULT_PARALLEL)
 ENGINES = (ENGINE,)

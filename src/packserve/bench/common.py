@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
@@ -138,16 +138,22 @@ def catalog_models_toml() -> str:
 
 def write_config(path: Path, opts: Options, *, memory_budget: str = "auto",
                  headroom: str = "256MiB", log_level: str = "warning",
-                 keys_file: str = "", server_extra: str = "") -> Path:
+                 keys_file: str = "", server_extra: str = "",
+                 model_extra: Mapping[str, str] | None = None) -> Path:
     """A config with the built-in catalog, `opts.data_dir` and an explicit budget and headroom
     (and API keys from `keys_file`, relative to `path`'s folder, when given; `server_extra`:
-    more `[server]` lines)."""
+    more `[server]` lines; `model_extra`: more lines for the catalog entry of each name)."""
+    models = catalog_models_toml()
+    for name, lines in (model_extra or {}).items():
+        entry = f'name = "{name}"\n'
+        assert entry in models, name
+        models = models.replace(entry, entry + lines.rstrip("\n") + "\n", 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f'[server]\ndata_dir = "{opts.data_dir}"\nlog_level = "{log_level}"\n'
         f'load_wait_s = 300\nkeys_file = "{keys_file}"\n{server_extra}\n'
         f'[devices.cpu]\nmemory_budget = "{memory_budget}"\nheadroom = "{headroom}"\n\n'
-        + catalog_models_toml(), "utf-8")
+        + models, "utf-8")
     return path
 
 

@@ -44,12 +44,18 @@ class LoadSpec:
     threads: int = 0  # compute threads for engines that take a count (llama.cpp); 0: all cores
     trust_remote_code: bool = False
     allow_pickle: bool = False
+    # Sequences decoded together in one batch (llama.cpp's parallel slots), and whether they
+    # share one KV cache of `context_length` tokens or each has its own; part of the key.
+    parallel: int = 1
+    cache_per_slot: bool = False
 
     @property
     def key(self) -> str:
         flags = "".join(f"|{name}" for name, on in (("trust_remote_code", self.trust_remote_code),
                                                     ("allow_pickle", self.allow_pickle)) if on)
-        return f"{self.backend}|{self.path}|{self.device}|ctx={self.context_length}{flags}"
+        slots = f"|par={self.parallel}" if self.parallel > 1 else ""
+        slots += "|kv=per_slot" if self.parallel > 1 and self.cache_per_slot else ""
+        return f"{self.backend}|{self.path}|{self.device}|ctx={self.context_length}{slots}{flags}"
 
 
 @dataclass(frozen=True)

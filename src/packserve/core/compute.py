@@ -33,7 +33,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -198,11 +198,38 @@ def between_tokens() -> None:
     t = TICKET.get()
     if t is None:
         return
+    token_made(t)
+    t.gate.pass_turn(t)
+
+
+def token_made(t: Ticket | None) -> None:
+    """Count a token handed out for `t` and move its deadline (see the module doc). Called by
+    `between_tokens`, and by an engine that computes for several requests in one thread."""
+    if t is None:
+        return
     t.tokens += 1
     now = t.gate.clock()
     if t.streaming or t.deadline < now:  # first token out, or missed: like fresh work
         t.deadline = now + t.slo_s
-    t.gate.pass_turn(t)
+
+
+@contextlib.contextmanager
+def batch_turn(tickets: Iterable[Ticket | None], units: int = 0) -> Iterator[None]:
+    """Hold, for one step that computes for several requests at once (a batched decode), the
+    turn of the most urgent of their tickets, with `units` threads' worth of the device. The
+    step is one engine call: it waits behind earlier deadlines as a whole, and is released
+    after it, so a more urgent call waits for one step. Called from the engine's own thread
+    (no `TICKET` there); nothing when none of the requests has a ticket."""
+    live = [t for t in tickets if t is not None]
+    if not live:
+        yield
+        return
+    t = min(live, key=lambda x: x.deadline)
+    t.gate.acquire(t, units)
+    try:
+        yield
+    finally:
+        t.gate.release(t)
 
 
 def between_slices() -> None:

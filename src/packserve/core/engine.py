@@ -53,6 +53,9 @@ class Engine:
       it has no headers to check, nothing to hash, and the planner does not size it.
     - `library` is the module `prepare()` imports, after setting `environment` (variables the
       library reads at import, set only where the operator has not set them).
+    - `default_parallel`: sequences one load decodes together in one batch when the entry does
+      not say (`parallel`); 0 for an engine that does not (the entry may not set `parallel`).
+      An entry's default concurrency is at least its `parallel`, so the slots can fill.
     """
 
     name: str
@@ -66,6 +69,7 @@ class Engine:
     reads_files: bool = True
     library: str = ""
     environment: Mapping[str, str] = field(default_factory=dict)
+    default_parallel: int = 0
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS
@@ -86,12 +90,16 @@ class Engine:
             check_header(load.path)
 
     def load_spec(self, path: Path, device: str, context: int, max_batch: int,
-                  options: dict[str, bool], threads: int = 0) -> LoadSpec:
-        """The load an entry asks for; options this engine ignores are left out of it."""
+                  options: dict[str, bool], threads: int = 0, parallel: int = 0,
+                  cache_per_slot: bool = False) -> LoadSpec:
+        """The load an entry asks for; options this engine ignores are left out of it.
+        `parallel` 0: the engine's default."""
         def option(name: str) -> bool:
             return name in self.load_options and options.get(name, False)
 
         return LoadSpec(backend=self.name, path=path, device=device, context_length=context,
                         max_batch=max_batch, threads=threads,
                         trust_remote_code=option("trust_remote_code"),
-                        allow_pickle=option("allow_pickle"))
+                        allow_pickle=option("allow_pickle"),
+                        parallel=(parallel or self.default_parallel) if self.default_parallel
+                        else 1, cache_per_slot=cache_per_slot and bool(self.default_parallel))

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--task", choices=sizing.TASKS, default="inference")
     work.add_argument("--context", type=int, help="tokens per sequence (default 4096; a "
                                                   "config model: its context_length)")
-    work.add_argument("--concurrency", type=int, default=1, help="concurrent sequences")
+    work.add_argument("--concurrency", type=int, help="concurrent sequences (default 1; a "
+                                                      "config model: its parallel slots)")
     work.add_argument("--batch", type=int, default=1, help="training micro-batch")
     work.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                       default=True, help="training: recompute activations (default on)")
@@ -80,7 +81,7 @@ def adhoc_model(args: argparse.Namespace, families: dict[str, catalog.Family]) -
 
 def workload(args: argparse.Namespace, context: int | None = None) -> Workload:
     return Workload(task=args.task, context=args.context or context or 4096,
-                    sequences=args.concurrency, batch=args.batch,
+                    sequences=args.concurrency or 1, batch=args.batch,
                     gradient_checkpointing=args.gradient_checkpointing,
                     lora_rank=args.lora_rank, optimizer=args.optimizer)
 

@@ -235,23 +235,31 @@ def size_model(shape: ModelShape, work: Workload) -> Breakdown:
                      f"Adam keeps {how}"))
 
 
-def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1) -> Breakdown:
-    """What llama.cpp (llama-cpp-python 0.3.36, CPU) holds for a GGUF at `context` tokens.
+def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
+                        shared_cache: bool = False) -> Breakdown:
+    """What llama.cpp (llama-cpp-python 0.3.36, CPU) holds for a GGUF at `context` tokens,
+    decoding `sequences` at once: each with its own KV cache, or with `shared_cache` all in
+    one of `context` tokens (llama.cpp's unified KV cache).
 
     Weights as stored; KV cache in f16 for every layer at the full context (llama-cpp-python
     keeps Gemma 3's sliding-window layers full size); 20 MiB plus 122 bytes per vocabulary
     entry for vocabulary tables, output and the touched part of the compute buffer, fitted to
-    packserve's own measurements of the default models.
+    packserve's own measurements of the default models; one more f32 row of logits per
+    sequence after the first (llama.cpp reserves its output buffer for `n_seq_max` rows).
     """
     arch = shape.arch
+    caches = 1 if shared_cache else sequences
+    how = (f"{context} tokens shared by {sequences} sequences" if shared_cache and sequences > 1
+           else f"{context} tokens x {sequences} sequence(s)")
     return Breakdown(
         name=shape.name, weights=shape.weight_bytes,
-        kv_cache=kv_cache_bytes(arch, context, sequences),
-        overhead=LLAMA_FIXED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * arch.vocab_size,
+        kv_cache=kv_cache_bytes(arch, context, caches),
+        overhead=(LLAMA_FIXED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * arch.vocab_size
+                  + (sequences - 1) * arch.vocab_size * 4),
         assumptions=(f"{shape.name}: llama.cpp, "
                      f"{format_bytes(shape.weight_bytes, compact=True)} of tensors "
-                     f"from the GGUF header, f16 KV cache for {context} tokens x {sequences} "
-                     f"sequence(s), 20 MiB + 122 B per vocabulary entry of runtime",))
+                     f"from the GGUF header, f16 KV cache for {how}, 20 MiB + 122 B per "
+                     f"vocabulary entry of runtime",))
 
 
 def encoder_breakdown(shape: ModelShape) -> Breakdown:
