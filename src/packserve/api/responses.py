@@ -15,14 +15,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
 from packserve.api.calls import Generate
 from packserve.api.errors import described
-from packserve.api.generation import event_stream
+from packserve.api.generation import Check, event_stream
 from packserve.api.schemas import ResponsesRequest
 from packserve.api.services import Inputs, Services
 from packserve.core.backend import Generated
@@ -32,7 +32,6 @@ from packserve.types import Task
 log = logging.getLogger("packserve.api")
 
 Status = Literal["in_progress", "completed", "incomplete", "failed"]
-Check = Callable[[Generated], None]  # raises if an output must not be passed off as an answer
 
 
 class Reply:
