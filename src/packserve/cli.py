@@ -10,14 +10,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import httpx
-from rich.console import Console
-from rich.table import Table
-
 from packserve.errors import ConfigError
+from packserve.logs import configure_logging
 from packserve.units import format_bytes
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from packserve.auth import KeyRing
     from packserve.config import Config
 
@@ -207,22 +206,13 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure_logging(level: str) -> None:
-    """Log lines on stderr; residency events as one JSON object per line, nothing around them.
-    The front and the worker share stderr, so both call this."""
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    events = logging.getLogger("packserve.events")
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    events.addHandler(handler)
-    events.propagate = False
-    # httpx logs every request at INFO: the front's to its worker, a pool replica's to its node.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def _ps(args: argparse.Namespace) -> int:
     import os
+
+    # Here, not at the top: `serve` runs this module and needs neither (rich alone: ~2 MiB).
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
 
     base = args.url.rstrip("/")
     key = args.api_key or os.environ.get("PACKSERVE_API_KEY")
@@ -269,6 +259,8 @@ def _ps(args: argparse.Namespace) -> int:
 
 def _ps_pool(console: Console, pool: dict[str, Any]) -> int:
     """One table per replica of a pool (GET /v1/pool on its entry point)."""
+    from rich.table import Table
+
     console.print(f"[bold]{len(pool['replicas'])} replicas[/]")
     for rep in pool["replicas"]:
         devices = "; ".join(

@@ -110,9 +110,9 @@ def _die_with_parent() -> None:
 def main() -> int:
     _die_with_parent()
     faulthandler.enable()
-    from packserve.cli import configure_logging
     from packserve.config import Config
     from packserve.errors import ConfigError
+    from packserve.logs import configure_logging
 
     config = Config.model_validate_json(Path(os.environ[ENV_CONFIG]).read_text("utf-8"))
     configure_logging(config.server.log_level)
@@ -171,6 +171,7 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     server = uvicorn.Server(uvicorn.Config(
         app, uds=socket_path, log_level=config.server.log_level, lifespan="on",
         access_log=config.server.access_log,
+        ws="none",  # no websocket routes; "auto" imports the websockets library (~1 MiB)
         # The front sends SIGTERM only once it has drained its own requests: what is left is
         # gone (its client too), so the worker shuts down at once and unloads its models.
         timeout_graceful_shutdown=2))

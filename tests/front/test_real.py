@@ -1,6 +1,6 @@
-"""The front and worker with real engines: a native crash mid-generation, and a client that drops
-a long stream. Figures are printed (pytest -s), never asserted as timings; the one ratio checked
-is measured side by side in the same run."""
+"""The front and worker with real engines: a native crash mid-generation, a client that drops
+a long stream, what an idle llama.cpp-only server imports. Figures are printed (pytest -s), never
+asserted as timings; the one ratio checked is measured side by side in the same run."""
 
 from __future__ import annotations
 
@@ -123,3 +123,24 @@ def test_a_first_start_says_in_readyz_what_it_is_assembling(tmp_path: Path) -> N
     pending = [b["pending"] for b in seen if "pending" in b]
     assert pending and "assembling gemma-3-270m" in str(pending[0]), seen[:3]
     assert "first start only" in str(pending[0])
+
+
+def test_an_idle_llama_only_server_imports_no_library_it_does_not_use(
+        models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both processes write -X importtime's lines to the shared log (the worker inherits the
+    # variable): the union of what front and worker imported until the worker was ready.
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    config = tmp_path / "packserve.toml"
+    config.write_text(default_catalog_text().replace(
+        "[server]", f'[server]\ndata_dir = "{models_dir}"', 1), "utf-8")
+    with serve_process(config, tmp_path, "--models", SMOL) as srv:
+        names = [line.rsplit("|", 1)[1].strip() for line in srv.log().splitlines()
+                 if line.startswith("import time:") and "[us]" not in line]
+    assert "packserve.front.app" in names and "packserve.api.app" in names  # both are seen
+    # The CLI's tables and progress bars, httpx's own command line, a websocket server.
+    unused = {n.split(".")[0] for n in names} & {"rich", "pygments", "websockets"}
+    assert not unused
+    # The worker sets up logging without the CLI, and needs no HTTP client: one httpx, the
+    # front's relay. (The front runs packserve.cli as __main__, which prints no line.)
+    assert "packserve.cli" not in names
+    assert names.count("httpx") == 1

@@ -16,9 +16,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from packserve.bench.common import Options, console, write_results
-from packserve.bench.report import append_markdown
-
 SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak",
              "pool", "sim")
 
@@ -62,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    # Here, not at the top: `packserve serve` builds this parser too, and needs no rich (its
+    # progress bars: ~2.5 MiB in the front).
+    from packserve.bench.common import Options, console, write_results
+    from packserve.bench.report import append_markdown
+
     out = Path(args.out)
     docs = Path(args.docs) if args.docs else (out / "benchmarks.md" if args.quick
                                                else Path("docs/benchmarks.md"))

@@ -460,6 +460,7 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None,
     server = _FrontServer(uvicorn.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
         access_log=config.server.access_log,
+        ws="none",  # no websocket routes; "auto" imports the websockets library (~1 MiB)
         lifespan="off", timeout_graceful_shutdown=2))
     loop = asyncio.get_running_loop()
     status = 0

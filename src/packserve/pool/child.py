@@ -35,7 +35,7 @@ async def _main(config: Config, parent: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from packserve.cli import configure_logging
+    from packserve.logs import configure_logging
 
     path, parent = Path(argv[0]), int(argv[1])
     config = Config.model_validate_json(path.read_text("utf-8"))

@@ -60,6 +60,7 @@ async def _serve(entry: object) -> int:
     server = _Server(uvicorn.Config(
         create_entry_app(entry), host=config.server.host, port=config.server.port,
         log_level=config.server.log_level, access_log=config.server.access_log,
+        ws="none",  # no websocket routes; "auto" imports the websockets library (~1 MiB)
         lifespan="off", timeout_graceful_shutdown=5))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
