@@ -48,6 +48,8 @@ from packserve.auth import KeyRing
 from packserve.config import Config
 from packserve.errors import ConfigError
 from packserve.front.supervisor import Crash, Supervisor, Worker, WorkerAlive
+from packserve.front.upstream import Upstream, UpstreamError
+from packserve.front.upstream import request as upstream_request
 
 log = logging.getLogger("packserve.front")
 _event_log = logging.getLogger("packserve.events")
@@ -333,7 +335,7 @@ async def _forward(front: Front, call: _Call) -> Response:
                           "worker_unavailable", retry_after=5)
         try:
             return await _send(front, worker, call)
-        except httpx.TransportError:
+        except UpstreamError:
             verdict = await _after_failure(front, worker, call, attempt)
             if verdict is not None:
                 return verdict
@@ -343,20 +345,19 @@ async def _forward(front: Front, call: _Call) -> Response:
 async def _send(front: Front, worker: Worker, call: _Call) -> Response:
     """One try. A stream's response starts as soon as the worker's does (its lease is taken);
     anything else is read whole first, so a crash before the end can still be answered."""
-    request = worker.client.build_request(call.method, call.target, headers=call.headers,
-                                          content=call.body)
-    upstream = await worker.client.send(request, stream=True)
-    headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in HOP_RESPONSE]
-    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+    upstream = await upstream_request(str(worker.socket_path), call.method, call.target,
+                                      call.headers, call.body)
+    headers = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_RESPONSE]
+    if upstream.header(b"content-type").startswith(b"text/event-stream"):
         stream = StreamingResponse(_relay(front, worker, call, upstream),
-                                   status_code=upstream.status_code)
+                                   status_code=upstream.status)
         stream.raw_headers = headers
         return stream
     try:
-        content = await upstream.aread()
+        content = await upstream.read()
     finally:
-        await upstream.aclose()
-    response = Response(content, status_code=upstream.status_code)
+        upstream.close()
+    response = Response(content, status_code=upstream.status)
     response.raw_headers = [*headers, (b"content-length", str(len(content)).encode())]
     return response
 
@@ -400,15 +401,15 @@ def _crash_message(crash: Crash, model: str, task: str) -> str:
 
 
 async def _relay(front: Front, worker: Worker, call: _Call,
-                 upstream: httpx.Response) -> AsyncIterator[bytes]:
+                 upstream: Upstream) -> AsyncIterator[bytes]:
     """Relay a worker's event stream. If the worker dies mid-stream: an error event, then end."""
     tail = b"\n\n"
     try:
-        async for chunk in upstream.aiter_raw():
+        async for chunk in upstream.chunks():
             if chunk:
                 tail = chunk[-2:]
                 yield chunk
-    except httpx.TransportError:
+    except UpstreamError:
         try:
             crash = await front.supervisor.death_of(worker)
         except WorkerAlive:
@@ -429,7 +430,7 @@ async def _relay(front: Front, worker: Worker, call: _Call,
     finally:
         if call.on_stream_end is not None:
             call.on_stream_end()
-        await upstream.aclose()
+        upstream.close()
 
 
 def _error(status: int, message: str, type_: str, code: str | None, *,
