@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sim: measure the default catalog on this machine first")
     parser.add_argument("--validate", metavar="TRACE_JSON",
                         help="sim: replay a `bench trace` run's trace.json, sim beside real")
+    parser.add_argument("--profile", action="store_const", const="1",
+                        help="overhead: run each API scenario once more under py-spy and add "
+                        "the top functions of the front and the worker to the results")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -70,7 +73,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",
-                                                 "validate")
+                                                 "validate", "profile")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,

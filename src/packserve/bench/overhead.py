@@ -12,6 +12,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +33,7 @@ from packserve.bench.common import (
     sentences,
     write_config,
 )
+from packserve.bench.cpu import CpuSnapshot, profiled, top_frames, worker_pid
 
 CHAT_SLOTS = 4  # parallel slots of the chat model in this bench (the four streams)
 N_CTX = 2048  # the catalog's context_length for SmolLM2
@@ -74,24 +77,35 @@ def chat_bodies(n: int, max_tokens: int, seed: int) -> list[dict[str, Any]]:
 
 
 def api_embed_batches(c: httpx.Client, batches: list[list[str]], *, path: str = "/v1/embeddings",
-                      model: str = EMBED_MODEL) -> float:
+                      model: str = EMBED_MODEL, encoding: str = "float") -> float:
     t0 = time.perf_counter()
     for b in batches:
-        c.post(path, json={"model": model, "input": b}).raise_for_status()
+        c.post(path, json={"model": model, "input": b, "encoding_format": encoding}
+               ).raise_for_status()
     return sum(map(len, batches)) / (time.perf_counter() - t0)
 
 
 async def singles(url: str, texts: list[str], clients: int, path: str = "/v1/embeddings",
-                   model: str = EMBED_MODEL) -> float:
+                  model: str = EMBED_MODEL) -> float:
+    """`clients` concurrent clients, each sending one sentence at a time: sentences/s.
+
+    The clients are aiohttp's, not httpx's: on the same two cores as the server, httpx's
+    AsyncClient spent 3.0 ms of CPU per request against aiohttp's 0.55 ms (measured side by
+    side on the build machine), CPU the server then lacked. `bench overhead` reports what the
+    client spent (`cpu_ms_per_request`)."""
+    import aiohttp
+
     queue = list(reversed(texts))
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
+    connector = aiohttp.TCPConnector(limit=clients)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
 
         async def worker() -> None:
             while queue:
                 text = queue.pop()
-                r = await c.post(path, json={"model": model, "input": text})
-                r.raise_for_status()
+                async with session.post(path, json={"model": model, "input": text}) as r:
+                    r.raise_for_status()
+                    await r.read()
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(clients)))
@@ -112,6 +126,37 @@ def api_chat(c: httpx.Client, bodies: list[dict[str, Any]], concurrency: int) ->
     return tokens / (time.perf_counter() - t0)
 
 
+def profile_api(c: httpx.Client, url: str, front_pid: int, out: Path,
+                batches: list[list[str]], single_texts: list[str],
+                chat: list[dict[str, Any]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Each API scenario once more, outside the measured rounds, under py-spy: the top
+    functions by self time of the front and of the worker, per scenario."""
+    worker = worker_pid(front_pid)
+    pids = {"front": front_pid, **({"worker": worker} if worker is not None else {})}
+    runs: dict[str, Callable[[], object]] = {
+        "batch32": lambda: api_embed_batches(c, batches),
+        "single16": lambda: asyncio.run(singles(url, single_texts, 16)),
+        "chat1": lambda: api_chat(c, chat, 1),
+    }
+    tables: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for name, go in runs.items():
+        with profiled(pids, out / name) as files:
+            go()
+        tables[name] = {proc: top_frames(path) for proc, path in files.items()}
+    return tables
+
+
+def profile_markdown(profile: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
+    """The profile as Markdown tables: per scenario and process, the top functions."""
+    lines = ["py-spy, each API scenario run once more after the measured rounds (self time, "
+             "share of the process's samples; idle threads not sampled):"]
+    for scenario, procs in profile.items():
+        for proc, rows in procs.items():
+            lines += ["", f"`{scenario}`, {proc}:", "", "| share | function |", "|---:|---|"]
+            lines += [f"| {r['share']:.1%} | `{r['function']}` |" for r in rows]
+    return "\n".join(lines)
+
+
 def run(opts: Options) -> Report:
     rounds = 1 if opts.quick else int(opts.extra.get("rounds", 3))
     n_batches = 2 if opts.quick else 16
@@ -123,10 +168,13 @@ def run(opts: Options) -> Report:
     config = write_config(opts.out / "work" / "overhead.toml", opts,
                           model_extra={CHAT_MODEL: f"parallel = {CHAT_SLOTS}"})
     series: dict[str, list[float]] = {k: [] for k in (
-        "api_batch32", "direct_batch32", "api_single16", "direct_single_batch32",
-        "api_chat1", "direct_chat1", "api_chat4", "direct_chat4")}
+        "api_batch32", "api_batch32_base64", "direct_batch32", "api_single16",
+        "direct_single_batch32", "api_chat1", "direct_chat1", "api_chat4", "direct_chat4")}
+    # CPU ms per request of the client, the front, the worker's loop and its engine threads
+    cpu: dict[str, list[dict[str, float]]] = {"batch32": [], "single16": [], "chat1": []}
     report = Report("overhead")
-    steps = rounds * 8 + 2
+    profile: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    steps = rounds * 9 + 2
     direct = Direct()
     try:
         with progress(opts, "overhead", steps) as advance, run_server(
@@ -143,19 +191,30 @@ def run(opts: Options) -> Report:
             direct.call(op="chat", requests=chat_bodies(1, 4, 0), concurrency=1)
             advance(2, "warm")
             for r in range(rounds):
+                cpu0 = CpuSnapshot.take(server.pid)
                 series["api_batch32"].append(api_embed_batches(c, batches))
+                cpu["batch32"].append(cpu0.per_request_ms(CpuSnapshot.take(server.pid),
+                                                          n_batches))
                 advance(1, f"round {r + 1}: batch-32 api")
+                series["api_batch32_base64"].append(
+                    api_embed_batches(c, batches, encoding="base64"))
+                advance(1, f"round {r + 1}: batch-32 api, base64")
                 d = direct.call(op="embed", batches=batches)
                 series["direct_batch32"].append(d["items"] / d["seconds"])
                 advance(1, f"round {r + 1}: batch-32 direct")
+                cpu0 = CpuSnapshot.take(server.pid)
                 series["api_single16"].append(asyncio.run(singles(server.url, single_texts, 16)))
+                cpu["single16"].append(cpu0.per_request_ms(CpuSnapshot.take(server.pid),
+                                                           n_singles))
                 advance(1, f"round {r + 1}: single x16 api")
                 d = direct.call(op="embed", batches=[single_texts[i:i + 32]
                                                      for i in range(0, n_singles, 32)])
                 series["direct_single_batch32"].append(d["items"] / d["seconds"])
                 advance(1, f"round {r + 1}: same sentences, direct batch-32")
                 bodies1 = chat_bodies(n_chat, max_tokens, 1000 * r)
+                cpu0 = CpuSnapshot.take(server.pid)
                 series["api_chat1"].append(api_chat(c, bodies1, 1))
+                cpu["chat1"].append(cpu0.per_request_ms(CpuSnapshot.take(server.pid), n_chat))
                 advance(1, f"round {r + 1}: chat x1 api")
                 d = direct.call(op="chat", requests=bodies1, concurrency=1)
                 series["direct_chat1"].append(d["tokens"] / d["seconds"])
@@ -166,9 +225,14 @@ def run(opts: Options) -> Report:
                 d = direct.call(op="chat", requests=bodies4, concurrency=4)
                 series["direct_chat4"].append(d["tokens"] / d["seconds"])
                 advance(1, f"round {r + 1}: chat x4 direct")
+            if opts.extra.get("profile"):
+                profile = profile_api(c, server.url, server.pid, opts.out / "work" / "profile",
+                                      batches, single_texts, chat_bodies(n_chat, max_tokens, 9))
     finally:
         direct.close()
     med = {k: median(v) for k, v in series.items()}
+    if profile:
+        report.notes.append(profile_markdown(profile))
     report.results = {
         "rounds": rounds, "order": "ABAB: packserve then direct, per measurement, per round",
         "sizes": {"batch32_batches": n_batches, "single_requests": n_singles, "clients": 16,
@@ -176,8 +240,16 @@ def run(opts: Options) -> Report:
                   "max_tokens": max_tokens},
         "units": "embeddings: sentences/s; chat: completion tokens/s",
         "per_round": series, "median": med,
+        # Where the CPU went, per request (medians over rounds): the benchmark's client (on the
+        # server's cores; the direct side has none), the front, the worker's event loop, and
+        # the worker's other threads (engine calls). `--profile` adds py-spy's top functions.
+        "cpu_ms_per_request": {k: {part: median([r[part] for r in v]) for part in v[0]}
+                               for k, v in cpu.items() if v},
+        "profile": profile,
         "ratios": {
             "embed_batch32": ratio(med["api_batch32"], med["direct_batch32"]),
+            "embed_batch32_base64_vs_float": ratio(med["api_batch32_base64"],
+                                                   med["api_batch32"]),
             "embed_single16_vs_direct_batch32": ratio(med["api_single16"],
                                                       med["direct_single_batch32"]),
             "chat_1_stream": ratio(med["api_chat1"], med["direct_chat1"]),
@@ -192,6 +264,8 @@ def run(opts: Options) -> Report:
     rt = report.results["ratios"]
     report.goals = [
         Goal("overhead: batch-32 embeddings, API / direct", rt["embed_batch32"], 0.95, ">="),
+        Goal("overhead: batch-32 embeddings, base64 / float, API",
+             rt["embed_batch32_base64_vs_float"], 1.0, ">="),
         Goal("overhead: single sentence x16 clients, API / direct batch-32",
              rt["embed_single16_vs_direct_batch32"], 0.8, ">="),
         Goal("overhead: chat tokens/s one stream, API / direct", rt["chat_1_stream"], 0.95,

