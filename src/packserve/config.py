@@ -152,9 +152,6 @@ class ModelSpec(_Strict):
     max_memory: Bytes | None = None
     context_length: int | None = Field(default=None, ge=16, le=1_048_576)
     max_batch: int = Field(default=64, ge=1, le=4096)
-    # Embeddings: after a pass, how long the next one may wait for the requests of the clients
-    # the pass just answered (at most a quarter of that pass's time; 0: never wait).
-    batch_wait_ms: float = Field(default=10.0, ge=0, le=1000)
     # Per-request limits; a request over one gets a 400 naming it.
     max_inputs: int = Field(default=2048, ge=1, le=100_000)  # texts: inputs, documents, prompts
     max_input_tokens: int | None = Field(default=None, ge=1)  # all of one request's inputs

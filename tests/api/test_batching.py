@@ -10,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from packserve.api.batching import Batchers, EmbedBatcher
+from packserve.api.batching import Batchers
 from packserve.core.backend import Backend, Embeddings, LoadSpec, Runner
+from packserve.core.compute import TICKET, ComputeGate, Ticket
 from packserve.errors import InputTooLong
 
 
@@ -20,15 +21,17 @@ class CountingEmbedder(Backend):
 
     def __post_init__(self) -> None:
         self.calls: list[list[str]] = []
+        self.threads: list[str] = []  # the thread each pass ran on
+        self.tickets: list[object] = []  # the compute ticket each pass saw
         self.release = threading.Event()
-        self.pass_s = 0.0  # how long each forward pass takes
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
         self.release.wait(timeout=30)
-        time.sleep(self.pass_s)
         if any(t == "bad" for t in texts):
             raise InputTooLong("input 'bad' is too long", param="input")
         self.calls.append(list(texts))
+        self.threads.append(threading.current_thread().name)
+        self.tickets.append(TICKET.get())
         return Embeddings(vectors=np.array([[float(len(t))] for t in texts], dtype=np.float32),
                           tokens=[len(t) for t in texts])
 
@@ -88,29 +91,26 @@ def test_a_bad_input_fails_only_its_own_request() -> None:
     assert all(isinstance(r, Embeddings) for i, r in enumerate(results) if i != 2)
 
 
-def test_a_pass_waits_for_the_clients_the_last_one_answered() -> None:
-    """Four closed-loop clients answered by one pass come back 2 ms apart: with a wait, the
-    next pass takes all four; without, it starts with the first and the rest make another."""
+def test_every_pass_runs_on_the_batchers_own_thread_with_its_ticket() -> None:
+    """torch's OpenMP workers belong to the thread that starts a pass: passes spread over the
+    loop's thread pool each brought a team of their own, spinning on the same cores."""
+    gate = ComputeGate("cpu", capacity=2)
 
-    async def run(wait_s: float) -> list[int]:
+    async def run() -> CountingEmbedder:
         b = backend()
-        r = Runner(b)
-        batcher = EmbedBatcher(64, wait_s)
         b.release.set()
-        b.pass_s = 0.06  # a quarter of it, 15 ms, is longer than the clients' 8 ms
+        r = Runner(b)
+        batcher = Batchers().for_runner(r)
 
-        async def client(i: int) -> None:
-            await batcher.embed(r, [f"first {i}"])
-            await asyncio.sleep(0.002 * (i + 1))  # the answer's way back, the next request's way in
-            await batcher.embed(r, [f"second {i}"])
+        async def one(i: int) -> None:
+            TICKET.set(Ticket(gate, "m", deadline=float(i), slo_s=0.5))
+            await asyncio.to_thread(time.sleep, 0.01)  # the loop's pool is busy meanwhile
+            await batcher.embed(r, [f"t{i}"])
 
-        first = asyncio.create_task(batcher.embed(r, ["slow pass"]))
-        await asyncio.sleep(0)
-        await asyncio.wait_for(asyncio.gather(first, *(client(i) for i in range(4))), 30)
-        return [len(c) for c in b.calls]
+        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 30)
+        return b
 
-    # The first pass takes "slow pass" alone; the four clients queue behind it (pass 2).
-    assert asyncio.run(run(1.0)) == [1, 4, 4]
-    without = asyncio.run(run(0.0))
-    assert without[:2] == [1, 4] and len(without) > 3
-
+    b = asyncio.run(run())
+    assert len(b.threads) >= 2 and len(set(b.threads)) == 1, b.threads
+    assert b.threads[0].startswith("packserve-embed")
+    assert all(isinstance(t, Ticket) for t in b.tickets)  # the deadline reached the thread

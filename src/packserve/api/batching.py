@@ -5,19 +5,11 @@ While a batch runs in a worker thread, new requests queue; the next batch takes 
 evicted under a batch. If a combined batch fails, its requests run one by one so that only the
 request with the bad input gets the error.
 
-Clients that send their next request when the last one is answered (a closed loop: an indexing
-job's workers) come back a few milliseconds after each pass, too late for the pass that starts
-at once with whatever queued meanwhile: the clients split into cohorts and every pass is small.
-So when fewer requests wait than the pass just served, the next pass waits for the others,
-up to `batch_wait_s` and never more than a quarter of that pass's time (config
-`batch_wait_ms`). The wait ends as soon as as many wait as the last pass served: a lone
-client's next request starts at once.
-
 Every pass of one batcher runs on the same thread of its own. torch's OpenMP workers belong to
 the thread that starts a parallel region: passes handed to the event loop's thread pool landed
 on a different thread each time, each with its own team of workers, and the idle teams spun on
-the cores the running pass needed (`packserve bench overhead`'s 16 single-sentence clients
-gained about 40% on the build machine's two cores when the passes kept to one thread).
+the cores the running pass needed (py-spy and /proc showed four busy compute threads for
+torch's two).
 """
 
 from __future__ import annotations
@@ -44,13 +36,10 @@ class _Pending:
 
 
 class EmbedBatcher:
-    def __init__(self, max_batch: int, wait_s: float = 0.0) -> None:
+    def __init__(self, max_batch: int) -> None:
         self._max_batch = max_batch
-        self._wait_s = wait_s
         self._pending: list[_Pending] = []
         self._worker: asyncio.Task[None] | None = None
-        self._arrived = asyncio.Event()  # set by every new request
-        self._pass_s = 0.0  # how long the last pass took
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-embed")
         weakref.finalize(self, self._thread.shutdown, wait=False)
 
@@ -59,7 +48,6 @@ class EmbedBatcher:
         future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
         item = _Pending(runner, texts, future, TICKET.get())
         self._pending.append(item)
-        self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         try:
@@ -76,13 +64,7 @@ class EmbedBatcher:
             raise
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        last = 0  # requests in the pass that just ran
-        while True:
-            if len(self._pending) < last and self._wait_s > 0:
-                await self._gather(last, loop.time() + min(self._wait_s, self._pass_s / 4))
-            if not self._pending:
-                return
+        while self._pending:
             batch: list[_Pending] = []
             size = 0
             while self._pending and (not batch or size + len(self._pending[0].texts)
@@ -91,25 +73,12 @@ class EmbedBatcher:
                 batch.append(item)
                 size += len(item.texts)
             live = [p for p in batch if not p.future.done()]
-            last = len(batch)
-            t0 = loop.time()
             try:
                 if live:
                     await self._run(live)
             finally:  # also if this task is cancelled: nobody waits for ever
                 for p in batch:
                     p.ran.set()
-            self._pass_s = loop.time() - t0
-
-    async def _gather(self, want: int, until: float) -> None:
-        """Wait until `want` requests are queued, `max_batch` inputs are, or `until`."""
-        loop = asyncio.get_running_loop()
-        while (len(self._pending) < want
-               and sum(len(p.texts) for p in self._pending) < self._max_batch
-               and (left := until - loop.time()) > 0):
-            self._arrived.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), left)
 
     async def _run(self, batch: list[_Pending]) -> None:
         texts = [t for p in batch for t in p.texts]
@@ -154,6 +123,6 @@ class Batchers:
     def for_runner(self, runner: Runner) -> EmbedBatcher:
         batcher = self._by_runner.get(runner)
         if batcher is None:
-            batcher = EmbedBatcher(runner.max_batch, runner.batch_wait_s)
+            batcher = EmbedBatcher(runner.max_batch)
             self._by_runner[runner] = batcher
         return batcher

@@ -41,7 +41,6 @@ class LoadSpec:
     device: str  # "cpu" or "cuda:N", never "auto"
     context_length: int
     max_batch: int = 64
-    batch_wait_s: float = 0.0  # per entry, like max_batch (config `batch_wait_ms`)
     threads: int = 0  # compute threads for engines that take a count (llama.cpp); 0: all cores
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -234,11 +233,6 @@ class Runner:
     def max_batch(self) -> int:
         """The most inputs one embedding call should take."""
         return self._backend.spec.max_batch
-
-    @property
-    def batch_wait_s(self) -> float:
-        """How long an embedding pass may wait for the clients the last one answered."""
-        return self._backend.spec.batch_wait_s
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return self._backend.count_tokens(texts)

@@ -91,14 +91,14 @@ class Engine:
 
     def load_spec(self, path: Path, device: str, context: int, max_batch: int,
                   options: dict[str, bool], threads: int = 0, parallel: int = 0,
-                  cache_per_slot: bool = False, batch_wait_s: float = 0.0) -> LoadSpec:
+                  cache_per_slot: bool = False) -> LoadSpec:
         """The load an entry asks for; options this engine ignores are left out of it.
         `parallel` 0: the engine's default."""
         def option(name: str) -> bool:
             return name in self.load_options and options.get(name, False)
 
         return LoadSpec(backend=self.name, path=path, device=device, context_length=context,
-                        max_batch=max_batch, batch_wait_s=batch_wait_s, threads=threads,
+                        max_batch=max_batch, threads=threads,
                         trust_remote_code=option("trust_remote_code"),
                         allow_pickle=option("allow_pickle"),
                         parallel=(parallel or self.default_parallel) if self.default_parallel
