@@ -20,6 +20,8 @@ def test_top_frames_ranks_functions_by_self_samples(tmp_path: Path) -> None:
         "json/encoder.py:200) 10\n"
         "main (/venv/lib/python3.11/site-packages/app.py:1);encode (/venv/lib/python3.11/"
         "site-packages/st/model.py:9);forward (/venv/lib/python3.11/site-packages/nn.py:3) 20\n"
+        "main (/venv/lib/python3.11/site-packages/app.py:1);EpollSelector.select (/usr/lib/"
+        "python3.11/selectors.py:468) 90\n"
         "garbage line\n")
     rows = top_frames(folded, n=5)
     assert [(r["function"], r["samples"]) for r in rows] == [

@@ -109,9 +109,14 @@ def profiled(pids: dict[str, int], out: Path, rate: int = 250) -> Iterator[dict[
 _SITE = re.compile(r" \(/(?:\S*/site-packages/|\S*?/lib/python3\.\d+/)")
 
 
+# Waiting, which py-spy samples as running when a thread waits in a system call with the GIL
+# released (an event loop in epoll_wait): left out of the tables.
+_WAITS = ("EpollSelector.select (", "Condition.wait (")
+
+
 def top_frames(folded: Path, n: int = 12) -> list[dict[str, Any]]:
     """The `n` functions with the most samples on top of the stack (self time), with their
-    share of all samples, from a py-spy raw (collapsed) file."""
+    share of all samples but the waits, from a py-spy raw (collapsed) file."""
     own: collections.Counter[str] = collections.Counter()
     total = 0
     with contextlib.suppress(OSError):
@@ -120,6 +125,8 @@ def top_frames(folded: Path, n: int = 12) -> list[dict[str, Any]]:
             if not stack or not count.isdigit():
                 continue
             leaf = _SITE.sub(" (", stack.rsplit(";", 1)[-1])
+            if leaf.startswith(_WAITS):
+                continue
             own[leaf] += int(count)
             total += int(count)
     return [{"function": name, "share": c / total, "samples": c}

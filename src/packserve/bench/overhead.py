@@ -90,9 +90,8 @@ async def singles(url: str, texts: list[str], clients: int, path: str = "/v1/emb
     """`clients` concurrent clients, each sending one sentence at a time: sentences/s.
 
     The clients are aiohttp's, not httpx's: on the same two cores as the server, httpx's
-    AsyncClient spent 3.0 ms of CPU per request against aiohttp's 0.55 ms (measured side by
-    side on the build machine), CPU the server then lacked. `bench overhead` reports what the
-    client spent (`cpu_ms_per_request`)."""
+    AsyncClient spent several times aiohttp's CPU per request, CPU the server then lacked.
+    `bench overhead` reports what the client spent (`cpu_ms_per_request`)."""
     import aiohttp
 
     queue = list(reversed(texts))
@@ -149,11 +148,13 @@ def profile_api(c: httpx.Client, url: str, front_pid: int, out: Path,
 def profile_markdown(profile: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     """The profile as Markdown tables: per scenario and process, the top functions."""
     lines = ["py-spy, each API scenario run once more after the measured rounds (self time, "
-             "share of the process's samples; idle threads not sampled):"]
+             "share of the process's samples at 250 Hz; idle threads and waits in epoll left "
+             "out):"]
     for scenario, procs in profile.items():
         for proc, rows in procs.items():
-            lines += ["", f"`{scenario}`, {proc}:", "", "| share | function |", "|---:|---|"]
-            lines += [f"| {r['share']:.1%} | `{r['function']}` |" for r in rows]
+            lines += ["", f"`{scenario}`, {proc}:", "", "| share | samples | function |",
+                      "|---:|---:|---|"]
+            lines += [f"| {r['share']:.1%} | {r['samples']} | `{r['function']}` |" for r in rows]
     return "\n".join(lines)
 
 

@@ -3,8 +3,8 @@ socket, one connection per request, responses parsed by httptools (uvicorn's own
 
 Why not httpx, which the front still uses for its own calls to the worker (health pings, the
 config reload, /metrics): relaying a small request through httpx's AsyncClient cost the front
-about five times the CPU of this, on the same cores the worker's engines need (measured on the
-build machine; `packserve bench reliability` reports what the hop costs). The peer is always
+several times the CPU of this, on the same cores the worker's engines need (`packserve bench
+overhead` reports the front's CPU per request). The peer is always
 packserve's own worker (uvicorn), so this needs no redirects, cookies, proxies or content
 decoding: a request line, headers, a body, and a response read as it comes.
 
