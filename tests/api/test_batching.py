@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import numpy as np
 
 from packserve.api.batching import Batchers
 from packserve.core.backend import Backend, Embeddings, LoadSpec, Runner
-from packserve.core.compute import TICKET, ComputeGate, Ticket
 from packserve.errors import InputTooLong
 
 
@@ -21,8 +19,6 @@ class CountingEmbedder(Backend):
 
     def __post_init__(self) -> None:
         self.calls: list[list[str]] = []
-        self.threads: list[str] = []  # the thread each pass ran on
-        self.tickets: list[object] = []  # the compute ticket each pass saw
         self.release = threading.Event()
 
     def embed(self, texts: Sequence[str]) -> Embeddings:
@@ -30,8 +26,6 @@ class CountingEmbedder(Backend):
         if any(t == "bad" for t in texts):
             raise InputTooLong("input 'bad' is too long", param="input")
         self.calls.append(list(texts))
-        self.threads.append(threading.current_thread().name)
-        self.tickets.append(TICKET.get())
         return Embeddings(vectors=np.array([[float(len(t))] for t in texts], dtype=np.float32),
                           tokens=[len(t) for t in texts])
 
@@ -89,28 +83,3 @@ def test_a_bad_input_fails_only_its_own_request() -> None:
     results = asyncio.run(run())
     assert isinstance(results[2], InputTooLong)
     assert all(isinstance(r, Embeddings) for i, r in enumerate(results) if i != 2)
-
-
-def test_every_pass_runs_on_the_batchers_own_thread_with_its_ticket() -> None:
-    """torch's OpenMP workers belong to the thread that starts a pass: passes spread over the
-    loop's thread pool each brought a team of their own, spinning on the same cores."""
-    gate = ComputeGate("cpu", capacity=2)
-
-    async def run() -> CountingEmbedder:
-        b = backend()
-        b.release.set()
-        r = Runner(b)
-        batcher = Batchers().for_runner(r)
-
-        async def one(i: int) -> None:
-            TICKET.set(Ticket(gate, "m", deadline=float(i), slo_s=0.5))
-            await asyncio.to_thread(time.sleep, 0.01)  # the loop's pool is busy meanwhile
-            await batcher.embed(r, [f"t{i}"])
-
-        await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 30)
-        return b
-
-    b = asyncio.run(run())
-    assert len(b.threads) >= 2 and len(set(b.threads)) == 1, b.threads
-    assert b.threads[0].startswith("packserve-embed")
-    assert all(isinstance(t, Ticket) for t in b.tickets)  # the deadline reached the thread

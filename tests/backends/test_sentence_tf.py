@@ -4,6 +4,7 @@ reranker share one tokenizer, whose padding setting is shared state (`bench soak
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,3 +42,44 @@ def test_embed_rerank_and_count_tokens_can_overlap(tmp_path: Path) -> None:
         assert len(results) == 120 and all(r > 0 for r in results)
     finally:
         backend.unload()
+
+
+@pytest.mark.real
+def test_every_forward_pass_of_a_load_runs_on_its_own_thread_with_the_ticket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's OpenMP workers belong to the thread that starts a parallel region: calls from a
+    pool of request threads must still compute on one thread, or each brings a spinning team."""
+    from packserve.core.compute import TICKET, ComputeGate, Ticket
+
+    spec = next(m for m in load_config(None).models if m.name == "all-minilm-l6-v2")
+    path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
+                          roots=None)
+    engine = backends.get("sentence-transformers")
+    backend = engine.build(engine.load_spec(path, "cpu", 0, 64, {}))
+    backend.prepare()
+    backend.load()
+    seen: list[tuple[str, object]] = []
+    model = backend._model  # type: ignore[attr-defined]
+    encode = model.encode
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append((threading.current_thread().name, TICKET.get()))
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(model, "encode", recording)
+    gate = ComputeGate("cpu", capacity=2)
+    try:
+        def call(i: int) -> None:
+            TICKET.set(Ticket(gate, "m", deadline=float(i), slo_s=0.5))
+            if i % 2:
+                backend.embed([f"sentence {i}"])
+            else:
+                backend.rerank("a query", [f"document {i}"])
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(call, range(12)))
+    finally:
+        backend.unload()
+    assert len(seen) == 12
+    assert {name for name, _ in seen} == {seen[0][0]} and seen[0][0].startswith("packserve-torch")
+    assert all(isinstance(ticket, Ticket) for _, ticket in seen)

@@ -4,22 +4,13 @@ While a batch runs in a worker thread, new requests queue; the next batch takes 
 (up to `max_batch` inputs). Each caller still holds its own lease, so the model cannot be
 evicted under a batch. If a combined batch fails, its requests run one by one so that only the
 request with the bad input gets the error.
-
-Every pass of one batcher runs on the same thread of its own. torch's OpenMP workers belong to
-the thread that starts a parallel region: passes handed to the event loop's thread pool landed
-on a different thread each time, each with its own team of workers, and the idle teams spun on
-the cores the running pass needed (py-spy and /proc showed four busy compute threads for
-torch's two).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
-import functools
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from packserve.core.backend import Embeddings, Runner
@@ -40,8 +31,6 @@ class EmbedBatcher:
         self._max_batch = max_batch
         self._pending: list[_Pending] = []
         self._worker: asyncio.Task[None] | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-embed")
-        weakref.finalize(self, self._thread.shutdown, wait=False)
 
     async def embed(self, runner: Runner, texts: list[str]) -> Embeddings:
         """Embed `texts` on `runner`; the caller holds a lease on it until this returns."""
@@ -87,10 +76,7 @@ class EmbedBatcher:
         tickets = [p.ticket for p in batch if p.ticket is not None]
         TICKET.set(min(tickets, key=lambda t: t.deadline) if tickets else None)
         try:
-            # The context goes along, as with asyncio.to_thread: the ticket set above.
-            call = functools.partial(contextvars.copy_context().run, batch[0].runner.embed,
-                                     texts)
-            out = await asyncio.get_running_loop().run_in_executor(self._thread, call)
+            out = await asyncio.to_thread(batch[0].runner.embed, texts)
         except Exception as exc:
             if len(batch) == 1:
                 _settle(batch[0].future, exc)

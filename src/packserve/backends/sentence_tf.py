@@ -6,10 +6,12 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from packserve.core.backend import Backend, Embeddings, LoadSpec, Ranking
 from packserve.core.compute import turn
@@ -28,6 +30,8 @@ _ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # tokenizer sees them, so a megabyte string costs nothing.
 _MAX_CHARS_PER_TOKEN = 32
 
+T = TypeVar("T")
+
 
 class _TorchBackend(Backend):
     _model: Any = None
@@ -39,6 +43,18 @@ class _TorchBackend(Backend):
         # (huggingface/transformers#47085; `packserve bench soak` found it as rerank 500s).
         # Calls into one load are serialised; the embedding batcher merges the waiting ones.
         self._lock = threading.Lock()
+        self._thread: ThreadPoolExecutor | None = None
+
+    def _compute(self, fn: Callable[[], T]) -> T:
+        """`fn()` on this load's own thread, the caller waiting. torch's OpenMP workers belong
+        to the thread that starts a parallel region: calls arriving from the event loop's
+        thread pool ran on a different thread each time, each with its own team of workers,
+        and the idle teams spun on the cores the running call needed (py-spy and /proc showed
+        four busy compute threads for torch's two). The caller's context (its compute ticket)
+        goes along."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-torch")
+        return self._thread.submit(contextvars.copy_context().run, fn).result()
 
     def prepare(self) -> None:
         SENTENCE_TRANSFORMERS.prepare()  # torch, transformers: seconds, ~400 MiB
@@ -60,6 +76,9 @@ class _TorchBackend(Backend):
 
     def unload(self) -> None:
         self._model = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
+            self._thread = None
 
     def weight_bytes(self) -> int:
         if self._model is None:
@@ -106,8 +125,9 @@ class SentenceTransformerBackend(_TorchBackend):
 
         with self._lock, turn():
             tokens = self._count_tokens(texts, "input")
-            vectors = self._model.encode(list(texts), batch_size=self.spec.max_batch,
-                                         convert_to_numpy=True, show_progress_bar=False)
+            vectors = self._compute(lambda: self._model.encode(
+                list(texts), batch_size=self.spec.max_batch, convert_to_numpy=True,
+                show_progress_bar=False))
             return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
@@ -116,9 +136,9 @@ class SentenceTransformerBackend(_TorchBackend):
         with self._lock, turn():
             tokens = sum(self._count_tokens([query], "query")) + sum(
                 self._count_tokens(documents, "documents"))
-            vectors = self._model.encode([query, *documents], batch_size=self.spec.max_batch,
-                                         convert_to_numpy=True, normalize_embeddings=True,
-                                         show_progress_bar=False)
+            vectors = self._compute(lambda: self._model.encode(
+                [query, *documents], batch_size=self.spec.max_batch, convert_to_numpy=True,
+                normalize_embeddings=True, show_progress_bar=False))
             scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
             return Ranking(scores=[float(s) for s in scores], tokens=tokens)
 
@@ -139,8 +159,9 @@ class CrossEncoderBackend(_TorchBackend):
         with self._lock, turn():
             tokens = sum(self._count_tokens([query], "query")) + sum(
                 self._count_tokens(documents, "documents"))
-            scores = self._model.predict([(query, d) for d in documents],
-                                         batch_size=self.spec.max_batch, show_progress_bar=False)
+            scores = self._compute(lambda: self._model.predict(
+                [(query, d) for d in documents], batch_size=self.spec.max_batch,
+                show_progress_bar=False))
             flat = np.asarray(scores).reshape(-1)
             return Ranking(scores=[float(s) for s in flat], tokens=tokens)
 
