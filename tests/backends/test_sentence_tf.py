@@ -12,11 +12,12 @@ import pytest
 
 from packserve import backends
 from packserve.config import load_config
+from packserve.core.backend import Backend
 from packserve.sources import resolve_source
 
 
-@pytest.mark.real
-def test_embed_rerank_and_count_tokens_can_overlap(tmp_path: Path) -> None:
+def minilm(tmp_path: Path) -> Backend:
+    """The default catalog's MiniLM, loaded on the CPU."""
     spec = next(m for m in load_config(None).models if m.name == "all-minilm-l6-v2")
     path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
                           roots=None)
@@ -24,6 +25,12 @@ def test_embed_rerank_and_count_tokens_can_overlap(tmp_path: Path) -> None:
     backend = engine.build(engine.load_spec(path, "cpu", 0, 64, {}))
     backend.prepare()
     backend.load()
+    return backend
+
+
+@pytest.mark.real
+def test_embed_rerank_and_count_tokens_can_overlap(tmp_path: Path) -> None:
+    backend = minilm(tmp_path)
     try:
         short, long = "a cat", "a much longer sentence about a cat that sat on a mat " * 3
 
@@ -51,13 +58,7 @@ def test_every_forward_pass_of_a_load_runs_on_its_own_thread_with_the_ticket(
     pool of request threads must still compute on one thread, or each brings a spinning team."""
     from packserve.core.compute import TICKET, ComputeGate, Ticket
 
-    spec = next(m for m in load_config(None).models if m.name == "all-minilm-l6-v2")
-    path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
-                          roots=None)
-    engine = backends.get("sentence-transformers")
-    backend = engine.build(engine.load_spec(path, "cpu", 0, 64, {}))
-    backend.prepare()
-    backend.load()
+    backend = minilm(tmp_path)
     seen: list[tuple[str, object]] = []
     model = backend._model  # type: ignore[attr-defined]
     encode = model.encode
