@@ -55,10 +55,13 @@ class ControlChannel:
     """
 
     def __init__(self, fd: int) -> None:
+        import orjson  # here: the front imports this module for its constants
+
         self._fd = fd
+        self._dumps = orjson.dumps  # twice per request: faster than the json module
 
     def send(self, message: dict[str, str]) -> None:
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        data = self._dumps(message) + b"\n"
         if len(data) > 4000:  # ids and names are at most 128 characters: never happens
             log.error("control line too long, not sent: %r", data[:200])
             return
