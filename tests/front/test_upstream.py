@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from packserve.front.upstream import UpstreamError, request
+from tests.factories import fake_config, serve_process
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -50,7 +51,7 @@ def test_a_request_goes_out_whole_and_its_answer_comes_back(tmp_path: Path) -> N
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "POST", "/v1/embeddings?x=1",
+        up = await request(sock, "POST", b"/v1/embeddings?x=1",
                            [(b"host", b"example:8000"), (b"x-request-id", b"r1")], b'{"a": 1}')
         try:
             return up.status, up.header(b"content-type"), up.header(b"X-Request-Id"), \
@@ -79,7 +80,7 @@ def test_a_chunked_stream_comes_as_its_pieces_arrive(tmp_path: Path) -> None:
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "GET", "/s", [], b"")
+        up = await request(sock, "GET", b"/s", [], b"")
         got = []
         async for piece in up.chunks():
             got.append(piece)
@@ -98,7 +99,7 @@ def test_a_head_answer_has_no_body_to_wait_for(tmp_path: Path) -> None:
         await asyncio.sleep(5)  # neither body nor close: a client waiting for 500 bytes hangs
 
     async def client(sock: str) -> object:
-        up = await request(sock, "HEAD", "/", [], b"")
+        up = await request(sock, "HEAD", b"/", [], b"")
         try:
             return up.status, await up.read()
         finally:
@@ -119,7 +120,7 @@ def test_a_connection_that_ends_early_or_garbled_is_an_upstream_error(
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "GET", "/", [], b"")
+        up = await request(sock, "GET", b"/", [], b"")
         try:
             return await up.read()
         finally:
@@ -131,7 +132,7 @@ def test_a_connection_that_ends_early_or_garbled_is_an_upstream_error(
 
 def test_no_worker_listening_is_an_upstream_error(tmp_path: Path) -> None:
     async def main() -> None:
-        await request(str(tmp_path / "gone.sock"), "GET", "/", [], b"")
+        await request(str(tmp_path / "gone.sock"), "GET", b"/", [], b"")
 
     with pytest.raises(UpstreamError, match="cannot connect"):
         asyncio.run(main())
@@ -149,7 +150,7 @@ def test_a_client_that_leaves_closes_the_workers_connection(tmp_path: Path) -> N
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "GET", "/", [], b"")
+        up = await request(sock, "GET", b"/", [], b"")
         pieces = up.chunks()
         first = await pieces.__anext__()
         await pieces.aclose()
@@ -158,3 +159,12 @@ def test_a_client_that_leaves_closes_the_workers_connection(tmp_path: Path) -> N
         return first
 
     assert run(tmp_path, handler, client) == b"a"
+
+
+def test_the_front_relays_the_path_as_the_client_encoded_it(tmp_path: Path) -> None:
+    """A decoded path may hold spaces and any character: the relay sends the client's bytes."""
+    with serve_process(fake_config(tmp_path), tmp_path) as srv, srv.client() as c:
+        r = c.get("/v1/models/caf%C3%A9%20au%20lait")
+        assert r.status_code == 404, r.text
+        assert "café au lait" in r.json()["error"]["message"]
+        assert c.get("/v1/models", params={"q": "a b&c"}).status_code == 200

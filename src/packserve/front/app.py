@@ -291,7 +291,10 @@ class _Call:
 
     def __init__(self, request: Request, body: bytes, rid: str) -> None:
         self.method = request.method
-        self.target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        # As the client sent it (percent-encoded): the decoded path may hold spaces.
+        query: bytes = request.scope.get("query_string", b"")
+        self.target = (request.scope.get("raw_path") or request.url.path.encode("utf-8")) + (
+            b"?" + query if query else b"")
         self.body = body
         self.rid = rid
         self.headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP

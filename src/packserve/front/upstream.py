@@ -88,15 +88,16 @@ class Upstream:
         self._writer.close()
 
 
-async def request(socket_path: str, method: str, target: str,
+async def request(socket_path: str, method: str, target: bytes,
                   headers: Sequence[tuple[bytes, bytes]], body: bytes) -> Upstream:
-    """Send one request and read the response's head."""
+    """Send one request and read the response's head. `target`: the path and query as the
+    client sent them (percent-encoded)."""
     try:
         reader, writer = await asyncio.open_unix_connection(socket_path, limit=_READ)
     except OSError as exc:  # refused, or the socket file is gone: the worker is not there
         raise UpstreamError(f"cannot connect to the worker: {exc}") from exc
     try:
-        head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
+        head = [method.encode("ascii") + b" " + target + b" HTTP/1.1\r\n"]
         if not any(k.lower() == b"host" for k, _ in headers):
             head.append(b"host: packserve-worker\r\n")
         head.extend(k + b": " + v + b"\r\n" for k, v in headers)
