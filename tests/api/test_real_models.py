@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -60,6 +61,31 @@ def test_float_and_base64_encodings_agree(default_server: Running) -> None:
 
     decoded = np.frombuffer(base64.b64decode(b["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(decoded, np.array(f["data"][0]["embedding"]), rtol=1e-6)
+
+
+def test_concurrent_embeddings_share_passes_and_metrics_show_their_sizes(
+        default_server: Running) -> None:
+    def passes(c: httpx.Client) -> tuple[float, float]:
+        text = c.get("/metrics").text
+        count = re.search(rf'^packserve_embedding_batch_inputs_count{{model="{EMBEDDER}"}} (\S+)',
+                          text, re.M)
+        total = re.search(rf'^packserve_embedding_batch_inputs_sum{{model="{EMBEDDER}"}} (\S+)',
+                          text, re.M)
+        return (float(count[1]), float(total[1])) if count and total else (0.0, 0.0)
+
+    with default_server.client() as c:
+        c.post("/v1/embeddings", json={"model": EMBEDDER, "input": "warm"}).raise_for_status()
+        n0, inputs0 = passes(c)
+
+        def one(i: int) -> None:
+            c.post("/v1/embeddings", json={"model": EMBEDDER, "input": [f"sentence {i}"] * 2}
+                   ).raise_for_status()
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(48)))
+        n1, inputs1 = passes(c)
+    assert inputs1 - inputs0 == 96  # every input counted once
+    assert 1 <= n1 - n0 < 48  # some requests shared a pass
 
 
 def test_rerank_puts_the_relevant_document_first(default_server: Running) -> None:

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from packserve.api.access import Authenticate, OperatorViews
 from packserve.api.asgi import CLIENT_CLOSED, BodyLimit, CancelOnDisconnect, RequestId
+from packserve.api.batching import Batchers
 from packserve.api.errors import add_error_handlers
 from packserve.api.openapi import install as install_openapi
 from packserve.api.routes import ROUTERS
@@ -62,7 +63,8 @@ def create_app(scheduler: Scheduler, telemetry: Telemetry, *, max_request_bytes:
 
     app = FastAPI(title="packserve", version="0.1.0", lifespan=lifespan)
     app.state.services = Services(scheduler, telemetry, gates=Gates(enabled=compute_priority),
-                                  slo=slo or SloConfig())
+                                  slo=slo or SloConfig(),
+                                  batchers=Batchers(on_pass=telemetry.count_embedding_pass))
     # Outermost last: ids first, then the caller's key, counting, the body limit, and
     # cancellation on disconnect.
     app.add_middleware(CancelOnDisconnect)

@@ -11,15 +11,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from packserve.core.backend import Embeddings, Runner
 from packserve.core.compute import TICKET, Ticket
 
+# Told of each forward pass: the model named by its first request, and its inputs.
+OnPass = Callable[[str, int], None]
+
 
 @dataclass
 class _Pending:
     runner: Runner
+    model: str  # the catalog name its request asked for
     texts: list[str]
     future: asyncio.Future[Embeddings]
     ticket: Ticket | None  # its request's compute deadline
@@ -27,15 +32,17 @@ class _Pending:
 
 
 class EmbedBatcher:
-    def __init__(self, max_batch: int) -> None:
+    def __init__(self, max_batch: int, on_pass: OnPass | None = None) -> None:
         self._max_batch = max_batch
+        self._on_pass = on_pass
         self._pending: list[_Pending] = []
         self._worker: asyncio.Task[None] | None = None
 
-    async def embed(self, runner: Runner, texts: list[str]) -> Embeddings:
-        """Embed `texts` on `runner`; the caller holds a lease on it until this returns."""
+    async def embed(self, runner: Runner, texts: list[str], model: str = "") -> Embeddings:
+        """Embed `texts` on `runner` for a request to `model`; the caller holds a lease on
+        the runner until this returns."""
         future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
-        item = _Pending(runner, texts, future, TICKET.get())
+        item = _Pending(runner, model, texts, future, TICKET.get())
         self._pending.append(item)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -62,6 +69,8 @@ class EmbedBatcher:
                 batch.append(item)
                 size += len(item.texts)
             live = [p for p in batch if not p.future.done()]
+            if live and self._on_pass is not None:
+                self._on_pass(live[0].model, sum(len(p.texts) for p in live))
             try:
                 if live:
                     await self._run(live)
@@ -102,13 +111,14 @@ class Batchers:
     """One batcher per load (the scheduler makes one `Runner` per load, which names it);
     forgotten when the runner is garbage-collected, after its unload."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_pass: OnPass | None = None) -> None:
+        self._on_pass = on_pass
         self._by_runner: weakref.WeakKeyDictionary[Runner, EmbedBatcher] = (
             weakref.WeakKeyDictionary())
 
     def for_runner(self, runner: Runner) -> EmbedBatcher:
         batcher = self._by_runner.get(runner)
         if batcher is None:
-            batcher = EmbedBatcher(runner.max_batch)
+            batcher = EmbedBatcher(runner.max_batch, self._on_pass)
             self._by_runner[runner] = batcher
         return batcher

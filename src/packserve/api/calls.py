@@ -39,7 +39,7 @@ class Call:
     async def embed(self, texts: list[str]) -> Embeddings:
         """Through the model's batcher: concurrent requests share forward passes."""
         runner = self._lease.runner
-        out = await self._batchers.for_runner(runner).embed(runner, texts)
+        out = await self._batchers.for_runner(runner).embed(runner, texts, self._lease.model)
         self._lease.count_tokens(sum(out.tokens))
         return out
 

@@ -32,6 +32,7 @@ from packserve.types import State, Task
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+EMBEDDING_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 RECENT_LATENCIES = 1000  # per model and task, for the summary's p50/p95
 RECENT_EVENTS = 50
 
@@ -97,10 +98,18 @@ class Telemetry:
             "packserve_key_tokens", "Tokens by API key name and model (prompt + completion, or "
             "input): multiply by the model's cost per million tokens to split cost by team",
             ["key", "model"], registry=self.registry)
+        self._embedding_batch = Histogram(
+            "packserve_embedding_batch_inputs", "Inputs per embedding forward pass: concurrent "
+            "requests merged by the batcher, up to the model's max_batch", ["model"],
+            buckets=EMBEDDING_BATCH_BUCKETS, registry=self.registry)
         self._tokens_by_key: dict[tuple[str, str], int] = defaultdict(int)
         self.registry.register(_SnapshotCollector(self))
 
     # ---------------------------------------------------------------- inputs
+
+    def count_embedding_pass(self, model: str, inputs: int) -> None:
+        """One embedding forward pass of `inputs` texts (the batcher's hook)."""
+        self._embedding_batch.labels(model=model).observe(inputs)
 
     def on_event(self, event: Event) -> None:
         """The scheduler's event sink."""
