@@ -200,6 +200,22 @@ def test_a_client_that_leaves_frees_its_slot(batched: LlamaCppBackend) -> None:
 
 
 @pytest.mark.real
+def test_a_callback_that_raises_frees_its_slot_before_the_error_goes_on(
+        batched: LlamaCppBackend) -> None:
+    seen: list[str] = []
+
+    def broken(piece: str, logprobs: Sequence[TokenLogprob]) -> bool:
+        seen.append(piece)
+        raise ConnectionError("the client's socket broke")
+
+    with pytest.raises(ConnectionError):
+        batched.chat([Message("user", "Tell me a long story.")],
+                     GenerationParams(max_tokens=200, temperature=0), broken)
+    assert len(seen) == 1  # told once, then dropped
+    assert batched._decoder is not None and batched._decoder.busy_slots == 0
+
+
+@pytest.mark.real
 def test_sampled_answers_follow_their_seeds(exact: LlamaCppBackend) -> None:
     params = [GenerationParams(max_tokens=16, temperature=0.9, seed=s) for s in (1, 2, 1, 2)]
     with ThreadPoolExecutor(4) as pool:

@@ -92,8 +92,8 @@ class LlamaCppBackend(Backend):
         threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
         # Prompts and batches decode with as many threads as tokens do: the compute gate lends
         # the call that many cores. Every core for steps of several tokens (llama-cpp-python's
-        # default) made four streams 1.55x one stream on a quiet 2-core box but 0.9x while
-        # another process held a core (docs/benchmarks.md, parallel decode): `threads` it is.
+        # default) helped four streams on a quiet 2-core box but hurt them while another
+        # process held a core (docs/benchmarks.md, parallel decode): `threads` it is.
         slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
         batch_threads = threads
         context = self.spec.context_length

@@ -26,8 +26,8 @@ be read again when room frees up (vLLM's recompute preemption); its sampler, gra
 text so far are kept.
 
 Numerics. llama.cpp's default CPU attention rounds differently when a sequence's token is
-computed alone than beside others (a one-token step mid-prompt moved SmolLM2's logits by up to
-0.58), so in a shared cache (which keeps llama-cpp-python's default attention) a greedy answer
+computed alone than beside others (a one-token step mid-prompt moves SmolLM2's logits), so in
+a shared cache (which keeps llama-cpp-python's default attention) a greedy answer
 computed beside other sequences can part from the one it gets alone after some tokens, as in
 llama.cpp's server and vLLM, which are not batch-invariant either; an answer computed alone is
 exactly llama-cpp-python's own, unless it reuses a cached prefix that was computed beside
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import queue
 import random
 import threading
@@ -65,6 +66,8 @@ from packserve.core.compute import Ticket, batch_turn, token_made
 PROMPT_SLICE = 32  # prompt tokens one sequence reads per step (llama.py reads serial ones so)
 SAMPLE_TOP_K = 40  # llama-cpp-python's defaults for create_completion / create_chat_completion
 SAMPLE_MIN_P = 0.05
+
+log = logging.getLogger("packserve.llama")
 
 
 class Recorder(Protocol):
@@ -179,7 +182,7 @@ class BatchDecoder:
                 event = job.events.get()
                 if isinstance(event, _Piece):
                     if on_text is not None and not job.cancelled \
-                            and not on_text(event.text, event.logprobs):
+                            and not self._tell(job, on_text, event):
                         self._cancel(job)
                 elif isinstance(event, Generated):
                     return event
@@ -187,6 +190,17 @@ class BatchDecoder:
                     raise event
         except BaseException:
             self._cancel(job)
+            raise
+
+    def _tell(self, job: Job, on_text: OnText, piece: _Piece) -> bool:
+        """`on_text(piece)`. If it raises, the job is dropped and its slot freed before the
+        exception goes on: the caller's lease must not end while the slot still decodes."""
+        try:
+            return on_text(piece.text, piece.logprobs)
+        except BaseException:
+            self._cancel(job)
+            while isinstance(job.events.get(), _Piece):  # until its Generated or its error
+                pass
             raise
 
     def _cancel(self, job: Job) -> None:
@@ -230,6 +244,10 @@ class BatchDecoder:
             self._queue.clear()
             self._cond.notify_all()
         self._thread.join(timeout=60)
+        if self._thread.is_alive():  # still inside llama_decode: freeing would crash it
+            log.error("the llama.cpp decode thread did not stop within 60 s; its batch is "
+                      "left allocated")
+            return
         import llama_cpp
 
         llama_cpp.llama_batch_free(self._batch)
@@ -237,6 +255,21 @@ class BatchDecoder:
     # ------------------------------------------------------------------ the decode thread
 
     def _loop(self) -> None:
+        try:
+            self._decode_forever()
+        except BaseException as exc:  # a bug here: no request may wait for ever on its job
+            log.exception("the llama.cpp decode thread failed")
+            with self._cond:
+                self._closing = True
+                seqs = [*self._queue, *(s for s in self._busy if s is not None)]
+                self._queue.clear()
+                self._busy = [None] * self.slots
+                self._cond.notify_all()
+            error = RuntimeError(f"the model's decode thread failed: {exc!r}")
+            for seq in seqs:
+                seq.job.events.put(error)
+
+    def _decode_forever(self) -> None:
         while True:
             with self._cond:
                 while not self._closing and not self._work_locked():
@@ -414,8 +447,8 @@ class BatchDecoder:
         units = self._units[0] if n == 1 else self._units[1]
         with batch_turn((s.job.ticket for s, _ in reads), units):
             rc = llama_cpp.llama_decode(self._ctx.ctx, batch)
-            if rc == 1 and len(live) > 1:  # no room in the cache after all: retry smaller
-                self._preempt(max(live, key=lambda s: s.admitted))
+            if rc == 1 and len(reads) > 1:  # no room in the cache after all: retry smaller
+                self._preempt(max((s for s, _ in reads), key=lambda s: s.admitted))
                 return
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed ({rc})")

@@ -26,12 +26,18 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_s(stat_path: str) -> float:
-    """utime + stime of a /proc/.../stat file, in seconds (0 if it is gone)."""
+    """utime + stime of a /proc/.../stat file (a process's or one thread's), in seconds; 0 if
+    it is gone."""
     try:
         fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time `pid` has used so far, all its threads."""
+    return _cpu_s(f"/proc/{pid}/stat")
 
 
 def worker_pid(front_pid: int) -> int | None:
@@ -58,9 +64,9 @@ class CpuSnapshot:
         loop = other = 0.0
         if worker is not None:
             loop = _cpu_s(f"/proc/{worker}/task/{worker}/stat")
-            other = _cpu_s(f"/proc/{worker}/stat") - loop
+            other = cpu_seconds(worker) - loop
         times = os.times()
-        return CpuSnapshot(front=_cpu_s(f"/proc/{front_pid}/stat"), worker_loop=loop,
+        return CpuSnapshot(front=cpu_seconds(front_pid), worker_loop=loop,
                            worker_other=other, client=times.user + times.system)
 
     def per_request_ms(self, later: CpuSnapshot, requests: int) -> dict[str, float]:

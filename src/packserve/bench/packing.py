@@ -40,10 +40,9 @@ from packserve.bench.common import (
     run_server,
     write_config,
 )
+from packserve.bench.overhead import N_CTX  # the catalog's context, for bare GGUF loads too
 from packserve.bench.reliability import descendants, process_memory
 
-# The catalog's context for its GGUFs: a bare process gets the same KV cache as packserve's load.
-CONTEXT = 2048
 BARE_ENGINE = """
 import os, sys
 path = sys.argv[1]
@@ -78,7 +77,7 @@ def _pss(pid: int) -> int:
 def _bare(path: Path, log: Path) -> Iterator[int]:
     """A bare engine process holding `path`, loaded and warmed; yields its pid."""
     with log.open("ab") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", BARE_ENGINE, str(path), str(CONTEXT)],
+        proc = subprocess.Popen([sys.executable, "-c", BARE_ENGINE, str(path), str(N_CTX)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink)
     try:
         assert proc.stdout is not None

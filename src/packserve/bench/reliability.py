@@ -63,6 +63,7 @@ from packserve.bench.common import (
     sentences,
     write_config,
 )
+from packserve.bench.cpu import cpu_seconds
 
 CHAT = "/v1/chat/completions"
 EMBED = "/v1/embeddings"
@@ -119,12 +120,6 @@ def mapped_paths(pid: int) -> set[str]:
         if len(parts) > 5 and parts[5].startswith("/"):
             paths.add(parts[5].strip())
     return paths
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time `pid` has used so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def environ(pid: int) -> dict[str, str]:

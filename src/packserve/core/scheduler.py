@@ -458,8 +458,8 @@ class Scheduler:
         and is retried in the background with backoff; `ready()` says why and when."""
         self.check_pins()
         await self._load_pins([m for m in self._models.values() if m.pinned])
-        # What starting allocated and freed (config, catalog, imports) goes back to the OS:
-        # ~1.5 MiB of an idle worker's heap that glibc would otherwise keep.
+        # What starting allocated and freed (config, catalog, imports) goes back to the OS,
+        # heap that glibc would otherwise keep for the idle worker's whole life.
         await asyncio.to_thread(self._probe.release, "cpu")
 
     async def close(self) -> None:
