@@ -29,7 +29,7 @@ import uvicorn
 
 from packserve.api.app import create_app
 from packserve.backends import check_weights
-from packserve.backends.fake import FakeBackend, FakeControl
+from packserve.backends.fake import FakeBackend, FakeControl, held_bytes
 from packserve.config import Config, ModelSpec, load_config
 from packserve.core.backend import Backend, LoadSpec, Runner
 from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
@@ -291,7 +291,8 @@ T = TypeVar("T")
 
 
 class FakeProbe:
-    """A MemoryProbe whose used figure never moves, so measured = the backend's weight bytes."""
+    """A MemoryProbe that reads what the fake backends hold, so measured = the backend's
+    weight bytes (and a warm copy keeps its declared `warm` bytes)."""
 
     def __init__(self) -> None:
         self.releases = 0
@@ -301,7 +302,7 @@ class FakeProbe:
         return 64 * GIB
 
     def used_bytes(self, device: str) -> int:
-        return GIB
+        return GIB + held_bytes(device)
 
     def release(self, device: str) -> None:
         self.releases += 1
@@ -383,14 +384,15 @@ def entry(
     name: str, mib: int = 100, *, declared_mib: int | None = None, weights: str | None = None,
     pin: bool = False, max_concurrency: int = 32, max_queue: int = 64,
     max_memory: int | None = None, tasks: Sequence[Task] = (Task.EMBED,),
-    context_length: int = 0,
+    context_length: int = 0, warm_mib: int | None = None,
 ) -> Entry:
-    """A fake model estimated at `mib` MiB whose backend declares `declared_mib` (default: same).
+    """A fake model estimated at `mib` MiB whose backend declares `declared_mib` (default: same)
+    and, with `warm_mib`, a warm state that keeps that much.
 
     Entries with equal `weights` (default: the name) and context share one LoadSpec, hence one
     resident.
     """
-    source = f"fake:{declared_mib or mib}MiB"
+    source = f"fake:{declared_mib or mib}MiB" + (f"?warm={warm_mib}MiB" if warm_mib else "")
     spec = ModelSpec(name=name, tasks=list(tasks), backend="fake", source=source, device="cpu",
                      pin=pin, max_concurrency=max_concurrency, max_queue=max_queue,
                      max_memory=max_memory)
@@ -441,7 +443,7 @@ def harness(
     load_wait_s: float = 120.0, failure_cooldown_s: float = 30.0,
     sleep: Sleeper | None = None,
     victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
-    check_files: bool = False,
+    check_files: bool = False, warm_tier: bool = False,
 ) -> Harness:
     """A scheduler over `entries` on one cpu device. Call inside a running event loop.
 
@@ -473,6 +475,7 @@ def harness(
         clock=time.monotonic if real_clock else clock, sinks=(events,),
         sleep=sleep or asyncio.sleep, victim_policy=victim_policy,
         check_files=check_weights if check_files else None,
+        warm_tier={"cpu"} if warm_tier else (),
     )
     h = Harness(scheduler=scheduler, control=control, events=events, probe=probe, clock=clock,
                 capacity=(budget_mib - headroom_mib) * MIB, built=built, building=building)
@@ -540,13 +543,17 @@ async def hold(scheduler: Scheduler, name: str, request_id: str = "") -> Hold:
 def resident(
     key: str, mib: int, *, last_used: float = 0.0, pinned: bool = False, in_flight: int = 0,
     state: State = State.HOT, device: str = "cpu", models: Sequence[str] = (),
-    reload_s: float = 0.0, rate_per_s: float = 0.0,
+    reload_s: float = 0.0, rate_per_s: float = 0.0, warm_mib: int | None = None,
+    restore_s: float = 0.0,
 ) -> ResidentView:
-    """A resident of `mib` MiB; `models` defaults to one catalog name equal to the key."""
+    """A resident of `mib` MiB; `models` defaults to one catalog name equal to the key. With
+    `warm_mib`: a hot one goes warm when evicted and keeps that much; a warm one holds it."""
     return ResidentView(
         key=key, device=device, state=state, bytes=mib * MIB, pinned=pinned,
         in_flight=in_flight, last_used=last_used, models=tuple(models) or (key,),
-        reload_s=reload_s, rate_per_s=rate_per_s,
+        reload_s=reload_s, rate_per_s=rate_per_s, goes_warm=warm_mib is not None,
+        keeps_bytes=(warm_mib or 0) * MIB, restore_s=restore_s,
+        warm_bytes=(warm_mib or 0) * MIB if state is not State.HOT else 0,
     )
 
 

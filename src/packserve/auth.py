@@ -11,7 +11,7 @@ adding, rotating and revoking a key needs no restart.
     name = "search-team"            # in logs and metrics; never the key
     sha256 = "9f86d0..."            # hex digest of the key
     models = ["all-minilm-*", "minilm-rerank"]   # names or globs; default ["*"]
-    admin = false                   # may load, unload, pin, unpin and reload
+    admin = false                   # may load, unload, offload, pin, unpin and reload
     requests_per_second = 20        # optional limits; over one: 429 with Retry-After
     concurrent_requests = 8
     tokens_per_minute = 200000      # prompt + completion (or input) tokens

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys.add_argument("--models", default="*",
                       help="models the key may call: names or globs, comma-separated (default *)")
     keys.add_argument("--admin", action="store_true",
-                      help="the key may load, unload, pin, unpin and reload")
+                      help="the key may load, unload, offload, pin, unpin and reload")
     keys.add_argument("--rps", type=float, help="limit: requests per second")
     keys.add_argument("--concurrency", type=int, help="limit: requests at once")
     keys.add_argument("--tokens-per-minute", type=int, help="limit: tokens per minute")
@@ -245,7 +245,10 @@ def _ps(args: argparse.Namespace) -> int:
     for m in data["models"]:
         last = f"{now - m['last_used']:.0f}s ago" if m["last_used"] else "-"
         measured = m["bytes_measured"]
-        table.add_row(m["name"], ",".join(m["tasks"]), m["state"], m["device"],
+        state = m["state"]
+        if state == "warm" and m.get("bytes_warm") is not None:
+            state = f"warm ({format_bytes(m['bytes_warm'], compact=True)})"
+        table.add_row(m["name"], ",".join(m["tasks"]), state, m["device"],
                       "yes" if m["pinned"] else "",
                       format_bytes(m["bytes_estimated"], compact=True),
                       format_bytes(measured, compact=True) if measured else "-",

@@ -136,6 +136,10 @@ class DeviceConfig(_Strict):
     # used first (packserve's rule before 0.12).
     eviction: Literal["cost", "lru"] = "cost"
     eviction_horizon_s: float = Field(default=60.0, gt=0, le=86_400)
+    # An evicted model keeps its engine objects (tokenizer, vocabulary, module graph) and gives
+    # back its weights, so coming back costs a read of the weights instead of a whole load
+    # (sentence-transformers with safetensors weights; llama.cpp on CPU). false: evictions unload.
+    warm_tier: bool = True
 
 
 class ModelSpec(_Strict):

@@ -19,10 +19,10 @@ class State(StrEnum):
 
     COLD = "cold"  # on disk; holds nothing
     ADMITTING = "admitting"  # a load waits for its device's lock, for memory or for evictions;
-    # holds nothing yet
+    # holds nothing yet (but its warm copy, if it comes from warm)
     LOADING = "loading"  # being read onto its device; its bytes are already reserved
     HOT = "hot"  # on its device, serving
     UNLOADING = "unloading"  # leaving its device; holds its bytes until the engine lets go
-    WARM = "warm"  # offloaded to host RAM (GPU tiers; not produced yet)
+    WARM = "warm"  # its engine objects stay, its weights were given back; a load restores it
     FAILED = "failed"  # the last load failed (retried after a cooldown), or it was quarantined
     # (until an operator loads it again)

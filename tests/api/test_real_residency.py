@@ -55,6 +55,54 @@ def test_cycling_all_models_under_a_small_budget(models_dir: Path) -> None:
     assert not any(isinstance(e, LoadFailedEvent) for e in server.events)
 
 
+def test_evicted_models_wait_warm_and_come_back_with_the_same_answers(models_dir: Path) -> None:
+    # MiniLM ~90 MiB and SmolLM2 ~165 MiB do not fit in 230 MiB together, but one of them
+    # beside the other's warm copy (its engine objects, no weights) does.
+    config = default_config(models_dir, memory_budget="230MiB",
+                            only_models=["all-minilm-l6-v2", "smollm2-135m-instruct"])
+    config = config.model_copy(update={"devices": {
+        TEST_DEVICE: config.device_config(TEST_DEVICE).model_copy(update={"headroom": 0})}})
+    embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
+    chat = {"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name a colour."}]}
+    with serve(config) as server, server.client() as c:
+        capacity = server.scheduler.devices()[0].budget_bytes
+
+        def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            assert c.get("/v1/residency").json()["devices"][0]["used_bytes"] <= capacity
+            return dict(r.json())
+
+        def row(name: str) -> dict[str, Any]:
+            models = c.get("/v1/residency").json()["models"]
+            return next(m for m in models if m["name"] == name)
+
+        first_vector = call("/v1/embeddings", embed)["data"][0]["embedding"]
+        first_text = call("/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+        minilm = row("all-minilm-l6-v2")
+        assert minilm["state"] == "warm"
+        assert 0 < minilm["bytes_warm"] < minilm["bytes_measured"]
+        assert call("/v1/embeddings", embed)["data"][0]["embedding"] == first_vector
+        smollm2 = row("smollm2-135m-instruct")
+        assert smollm2["state"] == "warm"
+        assert 0 < smollm2["bytes_warm"] < smollm2["bytes_measured"] / 4  # vocabulary, graph
+        again = call("/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+        assert again == first_text
+        assert row("smollm2-135m-instruct")["state"] == "hot"
+        offload = c.post("/v1/residency/smollm2-135m-instruct/offload")
+        assert offload.status_code == 200 and offload.json()["state"] == "warm", offload.text
+        metrics = c.get("/metrics").text
+        loads = [e for e in server.events if isinstance(e, LoadEvent)]
+        evictions = [e for e in server.events if isinstance(e, EvictEvent)]
+    assert [(e.model, e.tier_from) for e in loads] == [
+        ("all-minilm-l6-v2", "cold"), ("smollm2-135m-instruct", "cold"),
+        ("all-minilm-l6-v2", "warm"), ("smollm2-135m-instruct", "warm")]
+    assert {e.tier_to for e in evictions} == {"warm"}
+    assert evictions[-1].cause == "operator" and evictions[-1].model == "smollm2-135m-instruct"
+    assert 'packserve_model_events_total{event="restore",model="all-minilm-l6-v2"} 1.0' in metrics
+
+
 def test_twenty_concurrent_requests_to_a_cold_model_cause_one_load(models_dir: Path) -> None:
     with serve(default_config(models_dir, only_models=["all-minilm-l6-v2"])) as server:
 

@@ -38,7 +38,7 @@ def test_the_slow_to_reload_model_stays_under_the_cost_policy(
         await asyncio.sleep(0.05)
         await use(s, "cheap")
         plan = s.plan("new")
-        assert f"evicting {victim} (100.0 MiB, idle, {words}" in plan.reason, plan.reason
+        assert f"evicting {victim} (100.0 MiB to cold, idle, {words}" in plan.reason, plan.reason
         await use(s, "new")
         (evicted,) = h.events.of(EvictEvent)
         assert evicted.model == victim

@@ -237,7 +237,7 @@ def test_eviction_reason_names_victims() -> None:
     answer = plan_admission(cold("t", 300), [resident("old", 400, last_used=1),
                                              resident("new", 400, last_used=2)], 1000 * MIB)
     assert answer.victims == ("old",)
-    assert "evicting old (400.0 MiB, idle, least recently used)" in answer.reason
+    assert "evicting old (400.0 MiB to cold, idle, least recently used)" in answer.reason
     assert "new" not in answer.reason
 
 
@@ -379,7 +379,8 @@ def test_plan_names_the_cost_policys_reasons() -> None:
                  resident("generator", 300, reload_s=6.0, rate_per_s=0.5)]
     answer = plan_admission(cold("new", 100), residents, 400 * MIB, CostAware())
     assert answer.victims == ("embedder",)
-    assert "embedder (100.0 MiB, idle, reload 0.4 s, next use expected in 90 s" in answer.reason
+    assert ("embedder (100.0 MiB to cold, idle, reload 0.4 s, next use expected in 90 s"
+            in answer.reason)
 
 
 def test_make_policy_by_name() -> None:

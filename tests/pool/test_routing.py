@@ -156,3 +156,9 @@ def test_loads_on_their_way_count_against_a_replicas_free_bytes() -> None:
     pending = pending_bytes(replicas, {("a", other): 1})
     assert pending == {"a": 600}
     assert flat(route(M, replicas, pending=pending)) == ["b", "a"]
+
+
+def test_a_replica_with_a_warm_copy_comes_before_emptier_ones() -> None:
+    replicas = [replica("roomy", at(verdict=Verdict.FITS), free=10**10),
+                replica("warm", at(State.WARM, verdict=Verdict.FITS), free=10**8)]
+    assert flat(route(M, replicas)) == ["warm", "roomy"]

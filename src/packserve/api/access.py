@@ -3,7 +3,7 @@
 - open: `/healthz`, `/readyz`.
 - any key: the OpenAI and rerank routes, `/v1/models`; a model route also checks the key's
   scope (`Services.lease`), and a model outside it is "does not exist or you have no access".
-- admin key: load, unload, pin, unpin, reload.
+- admin key: load, unload, offload, pin, unpin, reload.
 - the read-only operator views (`/`, `/metrics`, `/v1/metrics/summary`, `/v1/residency`, the
   dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`) are open or admin by
   `server.operator_views`.
@@ -34,7 +34,7 @@ _OPEN = frozenset({"/healthz", "/readyz"})
 _VIEWS = frozenset({"/", "/metrics", "/v1/metrics/summary", "/v1/residency",
                     "/v1/residency/plan", "/v1/residency/plans", "/v1/pool", "/docs",
                     "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
-_ADMIN = re.compile(r"^/v1/residency/.+/(load|unload|pin|unpin)$|^/v1/admin/")
+_ADMIN = re.compile(r"^/v1/residency/.+/(load|unload|offload|pin|unpin)$|^/v1/admin/")
 
 
 def access_of(method: str, path: str, views: OperatorViews) -> Access:

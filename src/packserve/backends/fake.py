@@ -2,7 +2,8 @@
 
 In a config: `backend = "fake"`, `source = "fake:64MiB"` declares 64 MiB, and
 `source = "fake:64MiB?load_s=1.5"` also declares that a load takes 1.5 s (the load thread
-sleeps). Two entries with the same source share one load, as two with the same weights would.
+sleeps); `warm=4MiB` gives it a warm state that keeps 4 MiB (`release_weights`). Two
+entries with the same source share one load, as two with the same weights would.
 It embeds by hashing, reranks by word overlap and echoes prompts. Tests steer it through a
 shared `FakeControl`, or, across processes, with directives in the text it is given (fault
 injection, never in a real engine; in an embedding input, a rerank query or a prompt):
@@ -20,6 +21,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
@@ -47,8 +49,9 @@ def _out_of_memory(name: str) -> Exception:
 
 @dataclass
 class FakeControl:
-    """Shared knobs: block loads (and unloads) until released, fail the next N loads with
-    `failure(name)` (out of memory unless a test says otherwise), count loads and unloads,
+    """Shared knobs: block loads and restores (and unloads) until released, fail the next N
+    loads or restores with `failure(name)` (out of memory unless a test says otherwise), count
+    loads, unloads, releases to warm and restores,
     obey the `@@` directives in texts or not (`directives`)."""
 
     gate: threading.Event = field(default_factory=threading.Event)
@@ -57,6 +60,8 @@ class FakeControl:
     failure: Callable[[str], Exception] = _out_of_memory
     loads: dict[str, int] = field(default_factory=dict)
     unloads: dict[str, int] = field(default_factory=dict)
+    releases: dict[str, int] = field(default_factory=dict)  # to warm
+    restores: dict[str, int] = field(default_factory=dict)  # from warm
     lock: threading.Lock = field(default_factory=threading.Lock)
     directives: bool = True
 
@@ -78,22 +83,38 @@ def declared_load_s(spec: LoadSpec) -> float:
     return float(_declared(spec)[1].get("load_s", 0.0))
 
 
+def declared_warm_bytes(spec: LoadSpec) -> int | None:
+    """What a fake source keeps while warm (`warm=SIZE`); None: it has no warm state."""
+    warm = _declared(spec)[1].get("warm")
+    return parse_bytes(warm) if warm is not None else None
+
+
 def _declared(spec: LoadSpec) -> tuple[str, dict[str, str]]:
     size, _, query = spec.path.name.removeprefix("fake:").partition("?")
     options = dict(parse_qsl(query, keep_blank_values=True))
-    unknown = sorted(set(options) - {"load_s"})
+    unknown = sorted(set(options) - {"load_s", "warm"})
     if unknown:
         raise ValueError(f"fake source {spec.path.name!r}: unknown option(s) "
-                         f"{', '.join(unknown)} (only load_s)")
+                         f"{', '.join(unknown)} (only load_s, warm)")
     return size, options
+
+
+_LIVE: weakref.WeakSet[FakeBackend] = weakref.WeakSet()
+
+
+def held_bytes(device: str) -> int:
+    """What the fake backends alive on `device` hold now: a test probe's reading."""
+    return sum(b.weight_bytes() for b in list(_LIVE) if b.spec.device == device)
 
 
 class FakeBackend(Backend):
     control: FakeControl = DEFAULT_CONTROL
     _loaded: bool = False
+    _warm: bool = False
 
     def __post_init__(self) -> None:
         self.name = self.spec.path.name
+        _LIVE.add(self)
 
     def load(self) -> None:
         self.control.gate.wait(timeout=30)
@@ -110,10 +131,29 @@ class FakeBackend(Backend):
         if self._loaded:
             with self.control.lock:
                 self.control.unloads[self.name] = self.control.unloads.get(self.name, 0) + 1
-        self._loaded = False
+        self._loaded = self._warm = False
+
+    def release_weights(self) -> bool:
+        if declared_warm_bytes(self.spec) is None or not self._loaded:
+            return False
+        with self.control.lock:
+            self.control.releases[self.name] = self.control.releases.get(self.name, 0) + 1
+        self._warm = True
+        return True
+
+    def restore_weights(self) -> None:
+        self.control.gate.wait(timeout=30)
+        with self.control.lock:
+            self.control.restores[self.name] = self.control.restores.get(self.name, 0) + 1
+            if self.control.fail_next > 0:
+                self.control.fail_next -= 1
+                raise self.control.failure(self.name)
+        self._warm = False
 
     def weight_bytes(self) -> int:
-        return declared_bytes(self.spec) if self._loaded else 0
+        if not self._loaded:
+            return 0
+        return declared_warm_bytes(self.spec) or 0 if self._warm else declared_bytes(self.spec)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(t.split()) for t in texts]

@@ -1,7 +1,12 @@
 """llama.cpp through llama-cpp-python: chat, completions, streaming, JSON-schema output.
 
-Weights are read into memory (`use_mmap=False`) so that the bytes the scheduler counts are the
-bytes the process holds; with mmap the page cache would hold them and RSS would lie.
+Weights are memory-mapped from the GGUF file (llama.cpp's `use_mmap`, its pages read in at load,
+so they count in the process's resident size as the scheduler measures it). Formats that
+llama.cpp's CPU backend repacks for its kernels (Q4_0, Q4_K...) are also copied once into the
+repacked layout. Mapped weights are what makes the warm tier possible: `release_weights()` frees
+the context (KV cache, compute buffers) and hands the mapped pages back to the OS while the
+model (vocabulary, tensor layout) stays; `restore_weights()` reads the pages back and makes a new
+context (`bench coldstart` measures both against a read of the file).
 With `parallel` slots (the load's `LoadSpec.parallel` > 1) chats and completions are decoded
 together, several sequences per llama.cpp batch (`llama_batch.BatchDecoder`); echo scoring,
 completions of an empty prompt and chats in a built-in (non-Jinja) chat format go through
@@ -17,9 +22,11 @@ and then (llama.cpp's threads spin at each barrier while one of them waits for a
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -72,6 +79,10 @@ def schema_grammar(schema: dict[str, object] | None) -> Any:
 
 class LlamaCppBackend(Backend):
     _llm: Any = None
+    _mapped: tuple[tuple[int, int], ...] = ()  # where this model maps its weights file
+    _file: tuple[int, int, int, int] = (0, 0, 0, 0)  # the file's identity when it was loaded
+    _released: bool = False  # warm: the mapped pages and the context were given back
+    _threads: int = 1
     _decoder: BatchDecoder | None = None
     _formatter: Any = None  # the model's Jinja chat template, with parallel slots
 
@@ -95,28 +106,80 @@ class LlamaCppBackend(Backend):
         # default) helped four streams on a quiet 2-core box but hurt them while another
         # process held a core (docs/benchmarks.md, parallel decode): `threads` it is.
         slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
-        batch_threads = threads
         context = self.spec.context_length
         # Slots sharing one cache: `context` cells for all; a cache per slot: `context` each.
         fields = {} if slots == 1 else {"n_seq_max": slots, "kv_unified": not per_slot}
         with _BUILD, _context_params(fields):
+            # The model's own mappings of its file are those that appear while it is built (a
+            # header reader, or another load of the same file, may map it too).
+            mapped_before = _mapped_ranges(self.spec.path)
             self._llm = Llama(
                 model_path=str(self.spec.path),
                 n_ctx=context * slots if per_slot else context,
                 n_gpu_layers=-1 if on_gpu else 0,
                 main_gpu=int(self.spec.device.partition(":")[2] or 0) if on_gpu else 0,
-                use_mmap=False,
+                use_mmap=True,
                 n_threads=threads,
-                n_threads_batch=batch_threads,
+                n_threads_batch=threads,
                 flash_attn=slots > 1 and per_slot,  # batch-invariant (llama_batch's doc)
                 verbose=False,
             )
+            mapped = _mapped_ranges(self.spec.path) - mapped_before
         self._llm._n_ctx = context  # one sequence's window, for llama-cpp-python's checks
         self._llm.eval = _sliced(self._llm.eval)
+        self._mapped = () if on_gpu else tuple(sorted(mapped))
+        self._file = _file_identity(self.spec.path)
+        self._threads = threads
+        self._start_decoder()
         if slots > 1:
-            self._decoder = BatchDecoder(self._llm, slots=slots, threads=threads,
-                                         batch_threads=batch_threads, unified=not per_slot)
             self._formatter = _chat_formatter(self._llm)
+
+    def _start_decoder(self) -> None:
+        if self.spec.parallel > 1:
+            self._decoder = BatchDecoder(self._llm, slots=self.spec.parallel,
+                                         threads=self._threads, batch_threads=self._threads,
+                                         unified=not self.spec.cache_per_slot)
+
+    def release_weights(self) -> bool:
+        """Warm: free the context and give the mapped weight pages back; the model stays.
+        Only on CPU with the weights mapped from the file (on a GPU they live in device
+        memory, which llama.cpp cannot drop while keeping the model)."""
+        mapped = _mapped_ranges(self.spec.path)
+        if not self._mapped or not mapped.issuperset(self._mapped):
+            return False  # mapped no longer as at load (or never): unload it instead
+        decoder, self._decoder = self._decoder, None
+        if decoder is not None:
+            decoder.close()
+        llm = self._llm
+        llm._ctx.close()  # llama_free: the KV cache and the compute buffers
+        llm.n_tokens = 0  # nothing of a previous prompt is cached any more
+        _advise(self._mapped, _MADV_DONTNEED)
+        self._released = True
+        return True
+
+    def restore_weights(self) -> None:
+        """Warm -> hot: read the mapped pages back in (from the page cache, or the file), then
+        a new context with the same parameters."""
+        from llama_cpp._internals import LlamaContext
+
+        if _file_identity(self.spec.path) != self._file:
+            raise RuntimeError(f"{self.spec.path} changed since it was loaded; replace model "
+                               f"files by renaming a new one into place, never by writing "
+                               f"over them")
+        # The pages are read on a thread of their own while the context (KV cache, compute
+        # buffers) is made here: both are native calls that let the GIL go, so they overlap
+        # (`bench coldstart` measures restores against a read of the file).
+        reader = threading.Thread(target=_populate, args=(self._mapped,),
+                                  name="packserve-restore", daemon=True)
+        reader.start()
+        llm = self._llm
+        try:
+            llm._ctx = LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
+        finally:
+            reader.join()
+        llm.n_tokens = 0
+        self._start_decoder()
+        self._released = False
 
     def unload(self) -> None:
         decoder, self._decoder = self._decoder, None
@@ -135,7 +198,9 @@ class LlamaCppBackend(Backend):
         return self._decoder.context if self._decoder is not None else int(self._llm.n_ctx())
 
     def weight_bytes(self) -> int:
-        return int(self._llm._model.size()) if self._llm is not None else 0
+        if self._llm is None or self._released:
+            return 0
+        return int(self._llm._model.size())
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self._llm.tokenize(t.encode("utf-8"), add_bos=False, special=False))
@@ -406,6 +471,53 @@ def template_renders_tools(template: str) -> bool:
     except Exception:  # a template that fails when given tools cannot use them
         return False
     return _PROBE_TOOL in prompt
+
+
+_MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22  # Linux 5.14+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _mapped_ranges(path: Path) -> frozenset[tuple[int, int]]:
+    """The address ranges where this process maps `path`'s file now (by device and inode, from
+    /proc/self/maps); none where that is not readable (not Linux)."""
+    try:
+        stat = path.stat()
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return frozenset()
+    ranges = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        major, _, minor = fields[3].partition(":")
+        if (int(fields[4]) == stat.st_ino
+                and os.makedev(int(major, 16), int(minor, 16)) == stat.st_dev):
+            start, _, end = fields[0].partition("-")
+            ranges.add((int(start, 16), int(end, 16)))
+    return frozenset(ranges)
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _advise(ranges: Sequence[tuple[int, int]], advice: int) -> bool:
+    """madvise(2) over `ranges`; False if the kernel refused any."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return all(libc.madvise(start, end - start, advice) == 0 for start, end in ranges)
+
+
+def _populate(ranges: Sequence[tuple[int, int]]) -> None:
+    """Read `ranges` of a file mapping into memory (from the page cache or the disk)."""
+    if not _advise(ranges, _MADV_POPULATE_READ):
+        for start, end in ranges:  # kernels before 5.14: touch each page
+            for address in range(start, end, _PAGE):
+                ctypes.string_at(address, 1)
 
 
 # Held while a `Llama` is built with `_context_params` (a module attribute, patched meanwhile).

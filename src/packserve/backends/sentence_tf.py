@@ -7,9 +7,11 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 from __future__ import annotations
 
 import contextvars
+import json
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,8 +35,81 @@ _MAX_CHARS_PER_TOKEN = 32
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class _WarmPart:
+    """One module of a warm model: where each of its weights is read back from (file ->
+    state-dict name -> key in the file), its non-persistent buffers (kept), and each file's
+    identity when it went warm."""
+
+    module: Any
+    files: dict[Path, dict[str, str]]
+    buffers: dict[str, Any]
+    identity: dict[Path, tuple[int, int, int, int]]
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _warm_plan(model: Any, root: Path) -> tuple[_WarmPart, ...] | None:
+    """How to read `model`'s weights back from the safetensors files under `root`, module by
+    module (sentence-transformers' modules.json gives each its directory). None, and no warm
+    state, unless every weight matches exactly one tensor of one file by name (the state-dict
+    name or a tail of it), shape and dtype, no tensor serves two weights, and no weights are
+    tied."""
+    from safetensors import safe_open
+
+    directories: dict[str, str] = {}
+    listing = root / "modules.json"
+    if listing.is_file():
+        directories = {str(m.get("name", m.get("idx"))): str(m.get("path", ""))
+                       for m in json.loads(listing.read_text("utf-8"))}
+    parts = []
+    for name, module in model.named_children():
+        state = module.state_dict()
+        if not state:
+            continue  # pooling, normalisation: nothing to give back
+        tied = len(dict(module.named_parameters(remove_duplicate=False)))
+        if tied != len(dict(module.named_parameters())):
+            return None
+        found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+        for file in sorted((root / directories.get(name, "")).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (a safe_open has no __iter__)
+                    if key in found:
+                        return None  # two files hold it: which one transformers read is unknown
+                    piece = f.get_slice(key)
+                    found[key] = (file, tuple(piece.get_shape()), str(piece.get_dtype()))
+        files: dict[Path, dict[str, str]] = {}
+        used: set[str] = set()
+        for key, tensor in state.items():
+            pieces = key.split(".")
+            match = next((tail for tail in (".".join(pieces[i:]) for i in range(len(pieces)))
+                          if tail in found), None)
+            if match is None or match in used:
+                return None
+            file, shape, dtype = found[match]
+            if shape != tuple(tensor.shape) or _DTYPES.get(dtype) != str(tensor.dtype):
+                return None
+            used.add(match)
+            files.setdefault(file, {})[key] = match
+        persistent = set(state)
+        buffers = {n: b.clone() for n, b in module.named_buffers() if n not in persistent}
+        parts.append(_WarmPart(module=module, files=files, buffers=buffers,
+                               identity={f: _identity(f) for f in files}))
+    return tuple(parts) if parts else None
+
+
+# safetensors' dtype names -> torch's
+_DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16",
+           "BF16": "torch.bfloat16", "I64": "torch.int64", "I32": "torch.int32",
+           "I16": "torch.int16", "I8": "torch.int8", "U8": "torch.uint8", "BOOL": "torch.bool"}
+
+
 class _TorchBackend(Backend):
     _model: Any = None
+    _warm: tuple[_WarmPart, ...] = ()  # while its weights are given back
 
     def __post_init__(self) -> None:
         # One tokenizer per load, shared by every name that uses it (an embedder and a
@@ -74,14 +149,49 @@ class _TorchBackend(Backend):
             "model_kwargs": {"use_safetensors": not self.spec.allow_pickle},
         }
 
+    def release_weights(self) -> bool:
+        """Warm: swap every weight for a meta tensor (no storage) and keep the modules and the
+        tokenizer. Only when each weight can be read back from a safetensors file of its
+        module's directory, by name and shape (no tied weights); otherwise False and nothing
+        changed."""
+        plan = _warm_plan(self._model, self.spec.path)
+        if plan is None:
+            return False
+        for part in plan:
+            part.module.to("meta")
+        self._warm = plan
+        return True
+
+    def restore_weights(self) -> None:
+        """Warm -> hot: read each module's weights back from its safetensors files (the same
+        files, or it raises and the scheduler loads the model anew)."""
+        from safetensors import safe_open
+
+        for part in self._warm:
+            for file, identity in part.identity.items():
+                if _identity(file) != identity:
+                    raise RuntimeError(f"{file} changed since {self.name} went warm")
+        for part in self._warm:
+            state: dict[str, Any] = {}
+            for file, names in part.files.items():
+                with safe_open(str(file), framework="pt", device=self.spec.device) as f:
+                    for name, key in names.items():
+                        state[name] = f.get_tensor(key)
+            part.module.load_state_dict(state, strict=True, assign=True)
+            for name, buffer in part.buffers.items():
+                owner, _, leaf = name.rpartition(".")
+                part.module.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
+        self._warm = ()
+
     def unload(self) -> None:
         self._model = None
+        self._warm = ()
         if self._thread is not None:
             self._thread.shutdown(wait=False)
             self._thread = None
 
     def weight_bytes(self) -> int:
-        if self._model is None:
+        if self._model is None or self._warm:
             return 0
         tensors = [*self._model.parameters(), *self._model.buffers()]
         return int(sum(t.numel() * t.element_size() for t in tensors))

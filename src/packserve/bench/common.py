@@ -138,11 +138,12 @@ def catalog_models_toml() -> str:
 
 def write_config(path: Path, opts: Options, *, memory_budget: str = "auto",
                  headroom: str = "256MiB", log_level: str = "warning",
-                 keys_file: str = "", server_extra: str = "",
+                 keys_file: str = "", server_extra: str = "", device_extra: str = "",
                  model_extra: Mapping[str, str] | None = None) -> Path:
     """A config with the built-in catalog, `opts.data_dir` and an explicit budget and headroom
     (and API keys from `keys_file`, relative to `path`'s folder, when given; `server_extra`:
-    more `[server]` lines; `model_extra`: more lines for the catalog entry of each name)."""
+    more `[server]` lines; `device_extra`: more `[devices.cpu]` lines; `model_extra`: more
+    lines for the catalog entry of each name)."""
     models = catalog_models_toml()
     for name, lines in (model_extra or {}).items():
         entry = f'name = "{name}"\n'
@@ -152,8 +153,8 @@ def write_config(path: Path, opts: Options, *, memory_budget: str = "auto",
     path.write_text(
         f'[server]\ndata_dir = "{opts.data_dir}"\nlog_level = "{log_level}"\n'
         f'load_wait_s = 300\nkeys_file = "{keys_file}"\n{server_extra}\n'
-        f'[devices.cpu]\nmemory_budget = "{memory_budget}"\nheadroom = "{headroom}"\n\n'
-        + models, "utf-8")
+        f'[devices.cpu]\nmemory_budget = "{memory_budget}"\nheadroom = "{headroom}"\n'
+        f'{device_extra}\n\n' + models, "utf-8")
     return path
 
 

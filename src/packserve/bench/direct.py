@@ -9,7 +9,7 @@ Commands:
   {"op": "chat", "requests": [body, ...], "concurrency": k}  -> {"seconds", "tokens"}
   {"op": "quit"}
 The model is loaded the way packserve's backends load it (sentence-transformers on CPU with
-local files only; llama.cpp with the same n_ctx and use_mmap=False), so that only the serving
+local files only; llama.cpp with the same n_ctx and use_mmap=True), so that only the serving
 path differs.
 """
 
@@ -45,7 +45,7 @@ def main() -> int:
             from llama_cpp import Llama
 
             llm = Llama(model_path=cmd["path"], n_ctx=int(cmd["n_ctx"]), n_gpu_layers=0,
-                        use_mmap=False, verbose=False)
+                        use_mmap=True, verbose=False)
         elif op == "embed":
             t0 = time.perf_counter()
             items = 0

@@ -4,7 +4,7 @@ all running at the same time, every model loaded by one request:
 - one packserve server per catalog entry (`packserve serve --models NAME`);
 - one bare engine process per distinct weights file, no HTTP server at all: sentence-transformers
   for MiniLM (the embedder and the reranker share it), llama-cpp-python for each GGUF (SmolLM2's
-  two entries share one), loaded as packserve loads them (`use_mmap=False`, the catalog's
+  two entries share one), loaded as packserve loads them (`use_mmap=True`, the catalog's
   context), after one inference each.
 
 Memory is PSS (the sum of `Pss` in /proc/PID/smaps_rollup) of each setup's processes, the
@@ -48,7 +48,7 @@ import os, sys
 path = sys.argv[1]
 if path.endswith(".gguf"):
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=path, n_ctx=int(sys.argv[2]), use_mmap=False,
+    llm = llama_cpp.Llama(model_path=path, n_ctx=int(sys.argv[2]), use_mmap=True,
                           n_threads=max(1, (os.cpu_count() or 2) // 2), verbose=False)
     llm.create_completion("Hello", max_tokens=4)
 else:

@@ -78,7 +78,7 @@ def run(opts: Options) -> Report:
         if have_llama:
             gguf = str(model_path(CHAT_MODEL, opts))
             with run_server([str(llama), "-m", "llama_cpp.server", "--model", gguf, "--n_ctx",
-                             str(N_CTX), "--use_mmap", "False", "--verbose", "False",
+                             str(N_CTX), "--use_mmap", "True", "--verbose", "False",
                              "--model_alias", CHAT_MODEL, "--host", "127.0.0.1"],
                             health="/v1/models", log=work / "peers-llama.log") as ls, \
                     ls.client() as lc:

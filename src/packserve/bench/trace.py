@@ -211,6 +211,9 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
 
 
 POLICIES = ("cost", "lru", "ray", "ollama")  # the default set; also cost_priority
+# Only packserve's own rule keeps evicted models warm: the peers' rules (and packserve 0.11's)
+# unload them, as those engines do.
+WARM = frozenset({"cost", "cost_priority"})
 
 
 def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
@@ -243,15 +246,17 @@ def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
         stats[task] = {"requests": len(rs), "errors": len(rs) - len(ok), "p50_s": p50,
                        "p95_s": p95, "p99_s": p99, "slo_s": slo[task],
                        "slo_attainment": met / len(rs), "latencies_s": ok}
-    loads = sorted((e for e in events.values() if e["kind"] == "load"), key=lambda e: e["t"])
+    loaded = sorted((e for e in events.values() if e["kind"] == "load"), key=lambda e: e["t"])
+    loads = [e for e in loaded if e.get("tier_from", "cold") == "cold"]
+    restores = [e for e in loaded if e.get("tier_from") == "warm"]
     evicts = sorted((e for e in events.values() if e["kind"] == "evict"), key=lambda e: e["t"])
     met_all = sum(s["slo_attainment"] * s["requests"] for s in stats.values())
     return {"policy": spec, "by_task": stats, "events": counts,
             "slo_attainment": met_all / max(1, len(results)), "wall_s": wall,
-            "loads": len(loads), "evictions": len(evicts),
-            "reload_s": sum(e["seconds"] for e in loads),
-            "bytes_loaded": sum(e["bytes_measured"] for e in loads),
-            "load_events": loads, "evict_events": evicts,
+            "loads": len(loads), "evictions": len(evicts), "restores": len(restores),
+            "reload_s": sum(e["seconds"] for e in loaded),
+            "bytes_loaded": sum(e["bytes_measured"] for e in loaded),
+            "load_events": loads, "restore_events": restores, "evict_events": evicts,
             "peak_rss_bytes": max((s["rss"] for s in samples), default=0),
             "requests": results, "memory": samples}
 
@@ -287,6 +292,9 @@ def run(opts: Options) -> Report:
     capacity = max(max(sizes.values()), int(total * float(x.get("budget_fraction", 0.75))))
     config = write_config(work / "trace.toml", opts, memory_budget=str(capacity + HEADROOM),
                           headroom=str(HEADROOM))
+    cold_config = write_config(work / "trace-no-warm.toml", opts,
+                               memory_budget=str(capacity + HEADROOM), headroom=str(HEADROOM),
+                               device_extra="warm_tier = false")
     max_models = max(1, capacity // max(sizes.values()))
     trace = make_trace(seed=seed, duration_s=duration, rate=rate, alpha=alpha, cv=cv)
     # Which weights a catalog name uses: shared weights are loaded, counted and drawn once.
@@ -301,7 +309,7 @@ def run(opts: Options) -> Report:
     with progress(opts, "trace", len(trace) * len(chosen) * repeat) as advance:
         for name in chosen:
             label, spec = _policy_spec(name, max_models)
-            used = config
+            used = config if name in WARM else cold_config
             if name == "cost_priority":  # compute turns by deadline (off by default)
                 used = write_config(work / "trace-priority.toml", opts,
                                     memory_budget=str(capacity + HEADROOM),
@@ -317,14 +325,14 @@ def run(opts: Options) -> Report:
         for task, s in p["by_task"].items():
             rows.append([label, task, s["requests"], s["p50_s"], s["p95_s"], s["p99_s"],
                          s["slo_s"], f"{100 * s['slo_attainment']:.0f}%", None, None, None,
-                         None])
+                         None, None])
         rows.append([label, "all", len(trace), None, None, None, None,
-                     f"{100 * p['slo_attainment']:.0f}%", p["loads"], p["evictions"],
-                     round(p["reload_s"], 1), round(p["bytes_loaded"] / MIB)])
+                     f"{100 * p['slo_attainment']:.0f}%", p["loads"], p.get("restores", 0),
+                     p["evictions"], round(p["reload_s"], 1), round(p["bytes_loaded"] / MIB)])
     for label, (n, loaded) in (("Belady (offline, in arrival order)", belady),
                                ("LRU (offline, in arrival order)", lru_offline)):
         rows.append([label, "all", len(trace), None, None, None, None, None, n, None, None,
-                     round(loaded / MIB)])
+                     None, round(loaded / MIB)])
     _plots(opts, report, per_policy, keys, capacity, duration)
     report.results = {
         "trace": {"seed": seed, "duration_s": duration, "rate_per_s": rate, "zipf_alpha": alpha,
@@ -336,8 +344,8 @@ def run(opts: Options) -> Report:
         "offline": {"belady": {"loads": belady[0], "bytes_loaded": belady[1]},
                     "lru": {"loads": lru_offline[0], "bytes_loaded": lru_offline[1]}},
         "tables": [{"columns": ["policy", "type", "requests", "p50 s", "p95 s", "p99 s",
-                                "SLO s", "SLO met", "loads", "evictions", "reload s",
-                                "MiB loaded"], "rows": rows}],
+                                "SLO s", "SLO met", "loads (cold)", "restores (warm)",
+                                "evictions", "reload s", "MiB loaded"], "rows": rows}],
     }
     ours = next((p for label, p in per_policy.items() if label.startswith("packserve (")), None)
     if ours is not None:
@@ -349,7 +357,9 @@ def run(opts: Options) -> Report:
         f"budget - headroom {capacity / MIB:.0f} MiB for models of "
         + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sizes.items())
         + f"; {len(trace)} requests, seed {seed}, rate {rate}/s, Zipf alpha {alpha}, CV {cv}; "
-        f"{repeat} run(s) per policy, the median shown")
+        f"{repeat} run(s) per policy, the median shown; packserve's rule keeps evicted models "
+        f"warm (its default), the others unload them (warm_tier = false); reload s and MiB "
+        f"loaded count restores too")
     report.notes.append(
         "Belady and LRU offline: the trace's requests served one at a time in arrival order "
         "(no timing); a real server that lets requests for a resident model go first while a "

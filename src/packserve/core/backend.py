@@ -3,7 +3,9 @@
 Who calls what, and when:
 - The scheduler's factory builds a backend from a `LoadSpec`, then calls `load()` once, in a
   worker thread, while the scheduler holds its device lock. `unload()` is called once, in a worker
-  thread, only when no lease is out. Nothing else touches the lifecycle.
+  thread, only when no lease is out. Between them, an eviction to the warm tier may call
+  `release_weights()` and a later load `restore_weights()`, any number of times, under the same
+  rules. Nothing else touches the lifecycle.
 - Request handlers never see a backend. A `Lease` lends them its `Runner`, which has the task
   methods and nothing of the lifecycle; they call it in a worker thread (never on the event
   loop) and may assume `load()` has returned and `unload()` has not started.
@@ -178,6 +180,18 @@ class Backend:
 
     def weight_bytes(self) -> int:
         """Bytes of tensors the engine holds now; a floor for the measured footprint."""
+        raise NotImplementedError
+
+    def release_weights(self) -> bool:
+        """Hot -> warm: give the weights' memory back and keep the engine objects (tokenizer,
+        vocabulary, module graph), so that `restore_weights()` costs a read of the weights and
+        not a whole load. False: this engine (or this load) has no warm state, and nothing
+        changed; the scheduler unloads it. Called like `unload()`."""
+        return False
+
+    def restore_weights(self) -> None:
+        """Warm -> hot, after a `release_weights()` that returned True; called like `load()`.
+        If it raises, the scheduler unloads the backend and loads the model anew."""
         raise NotImplementedError
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:

@@ -18,7 +18,7 @@ class LoadEvent:
     bytes_measured: int
     seconds: float
     reason: str
-    tier_from: str = "cold"  # where the weights came from (GPU tiers will add "warm")
+    tier_from: str = "cold"  # "cold": a whole load; "warm": restored from the warm tier
     kind: str = "load"
 
 
@@ -35,6 +35,7 @@ class EvictEvent:
     cause: str = "make_room"
     policy: str = ""  # the device's victim policy, when it chose this victim
     why: str = ""  # the policy's words: "reload 0.4 s, next use expected in 90 s, ..."
+    tier_to: str = "cold"  # "warm": its engine objects stay (`bytes` is what it gave back)
     kind: str = "evict"
 
 

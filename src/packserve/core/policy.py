@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from packserve.types import State
@@ -22,23 +22,59 @@ class ResidentView:
     key: str
     device: str
     state: State
-    bytes: int  # measured if known, else estimated
+    bytes: int  # hot: measured if known, else estimated
     pinned: bool = False
     in_flight: int = 0  # requests holding or waiting on a lease
     last_used: float = 0.0  # scheduler clock; larger is more recent
     models: tuple[str, ...] = ()  # catalog names served by these weights
     reload_s: float = 0.0  # seconds its last load took here (0: never loaded here)
     rate_per_s: float = 0.0  # recent requests per second, falling while it stays idle
+    # The warm tier: an eviction of a hot one that `goes_warm` keeps its engine objects
+    # (`keeps_bytes`, as last measured; 0 before its first time) and a later load restores it
+    # in `restore_s`; a warm one (or one loading from warm) holds `warm_bytes`.
+    goes_warm: bool = False
+    keeps_bytes: int = 0
+    restore_s: float = 0.0
+    warm_bytes: int = 0
 
     @property
     def holds_memory(self) -> bool:
-        """Its bytes count as used: reserved for a load, serving, or not yet let go by an unload.
-        A load still waiting for admission (ADMITTING) holds nothing."""
-        return self.state in (State.LOADING, State.HOT, State.UNLOADING)
+        """Its bytes count as used: reserved for a load, serving, or not yet let go by an unload;
+        or a warm copy's. A load still waiting for admission (ADMITTING) holds nothing more."""
+        return self.held > 0
+
+    @property
+    def held(self) -> int:
+        """The bytes it holds now."""
+        if self.state in (State.LOADING, State.HOT, State.UNLOADING):
+            return self.bytes
+        return self.warm_bytes
 
     @property
     def evictable(self) -> bool:
-        return self.state is State.HOT and not self.pinned and self.in_flight == 0
+        """Idle, unpinned, and hot (to warm, or to cold) or warm (to cold)."""
+        return (self.state in (State.HOT, State.WARM) and not self.pinned
+                and self.in_flight == 0)
+
+    @property
+    def frees(self) -> int:
+        """The bytes its eviction gives back: all but what a warm copy keeps."""
+        if self.state is State.WARM:
+            return self.warm_bytes
+        return self.bytes - (self.keeps_bytes if self.goes_warm else 0)
+
+    @property
+    def evicted_to(self) -> str:
+        return "warm" if self.state is State.HOT and self.goes_warm else "cold"
+
+    @property
+    def comeback_s(self) -> float:
+        """Seconds its eviction adds to its next load: a restore, a whole load, or (from warm to
+        cold) the difference. Unknown restore times count as whole loads."""
+        restore = self.restore_s or self.reload_s
+        if self.state is State.WARM:
+            return max(self.reload_s - restore, 0.0)
+        return restore if self.goes_warm else self.reload_s
 
 
 class Verdict(StrEnum):
@@ -63,6 +99,8 @@ class Admission:
     busy_bytes: int
     victims: tuple[str, ...]
     reason: str
+    # The victims go to cold even where they could stay warm: warm copies would not leave room.
+    to_cold: bool = False
 
 
 VictimOrder = Callable[[ResidentView], tuple[float, ...]]
@@ -77,14 +115,15 @@ def choose_victims(
     residents: Sequence[ResidentView], need_bytes: int, free_bytes: int,
     order: VictimOrder = lru_order,
 ) -> tuple[str, ...] | None:
-    """Idle, unpinned, hot residents in `order` until `need_bytes` fit; None if they cannot."""
+    """Idle, unpinned, hot or warm residents in `order` until `need_bytes` fit; None if they
+    cannot."""
     if need_bytes <= free_bytes:
         return ()
     victims: list[str] = []
     freed = free_bytes
     for r in sorted((r for r in residents if r.evictable), key=order):
         victims.append(r.key)
-        freed += r.bytes
+        freed += r.frees
         if freed >= need_bytes:
             return tuple(victims)
     return None
@@ -95,8 +134,9 @@ def choose_victims(
 # A VictimPolicy answers "which residents leave so that `need_bytes` fit, given `free_bytes`"
 # over the other residents of one device: a tuple of keys in eviction order, () when nothing
 # has to leave, None when it cannot fit until busy models finish. Every policy keeps the two
-# safety rules of the scheduler contract: it never names a resident that is pinned, busy or not
-# hot (`ResidentView.evictable`), and it never answers with victims that leave too few bytes,
+# safety rules of the scheduler contract: it never names a resident that is pinned, busy or
+# neither hot nor warm (`ResidentView.evictable`), and it never answers with victims that leave
+# too few bytes (counting what each frees: a hot one going warm keeps its copy's bytes),
 # so the process cannot overcommit its budget whatever the policy. They differ only in whom
 # they choose. The alternatives exist so that `packserve bench trace` can replay one trace under
 # other engines' rules with the same scheduler.
@@ -133,7 +173,7 @@ def lru_by_count(max_models: int) -> VictimPolicy:
             if len(victims) >= excess and freed >= need_bytes:
                 break
             victims.append(r.key)
-            freed += r.bytes
+            freed += r.frees
         return tuple(victims) if freed >= need_bytes else None
 
     return policy
@@ -206,11 +246,11 @@ class CostAware:
         return 1.0 - math.exp(-max(r.rate_per_s, 0.0) * self.horizon_s)
 
     def expected_cost_s(self, r: ResidentView) -> float:
-        """Expected reload seconds its eviction costs within the horizon."""
-        return r.reload_s * self.reuse_chance(r)
+        """Expected seconds its eviction adds to its next load, within the horizon."""
+        return r.comeback_s * self.reuse_chance(r)
 
     def order(self, r: ResidentView) -> tuple[float, ...]:
-        return (self.expected_cost_s(r) / max(r.bytes, 1), r.last_used, -r.bytes)
+        return (self.expected_cost_s(r) / max(r.frees, 1), r.last_used, -r.frees)
 
     def __call__(self, residents: Sequence[ResidentView], need_bytes: int,
                  free_bytes: int) -> tuple[str, ...] | None:
@@ -222,7 +262,7 @@ class CostAware:
         # The most expensive first: keep it if the others still make room.
         for key in sorted(victims, key=lambda k: self.order(by_key[k]), reverse=True):
             rest = [k for k in kept if k != key]
-            if free_bytes + sum(by_key[k].bytes for k in rest) >= need_bytes:
+            if free_bytes + sum(by_key[k].frees for k in rest) >= need_bytes:
                 kept = rest
         return tuple(kept)
 
@@ -231,7 +271,11 @@ class CostAware:
             soon = "no use seen since it loaded"
         else:
             soon = f"next use expected in {_seconds(1.0 / r.rate_per_s)}"
-        return (f"reload {r.reload_s:.1f} s, {soon}, expected cost "
+        if r.state is State.WARM:
+            back = "reload beyond a restore"
+        else:
+            back = "restore" if r.goes_warm else "reload"
+        return (f"{back} {r.comeback_s:.1f} s, {soon}, expected cost "
                 f"{self.expected_cost_s(r):.2f} s")
 
 
@@ -271,47 +315,59 @@ def plan_admission(
 ) -> Admission:
     """Decide how `target` gets onto its device. `residents` are the others on that device."""
     others = [r for r in residents if r.key != target.key and r.device == target.device]
-    used = sum(r.bytes for r in others if r.holds_memory)
-    pinned = sum(r.bytes for r in others if r.pinned and r.holds_memory)
-    busy = sum(r.bytes for r in others if r.holds_memory and not r.pinned and not r.evictable)
+    # A warm target already holds part of what it needs: its engine objects.
+    used = sum(r.held for r in others) + (target.held if target.state is not State.HOT else 0)
+    pinned = sum(r.held for r in others if r.pinned)
+    busy = sum(r.held for r in others if not r.pinned and not r.evictable)
     pinned_names = ", ".join(f"{_label(r)} ({format_bytes(r.bytes)})"
                              for r in others if r.pinned) or "none"
+
+    to_cold = False
+    needs = f"{_label(target)} needs {format_bytes(target.bytes)}"
+    if target.state is not State.HOT and target.held:
+        needs += f" (its warm copy holds {format_bytes(target.held)} of it)"
 
     def answer(verdict: Verdict, victims: tuple[str, ...], reason: str) -> Admission:
         return Admission(
             target=target.key, device=target.device, verdict=verdict,
             need_bytes=target.bytes, capacity_bytes=capacity_bytes, used_bytes=used,
             pinned_bytes=pinned, busy_bytes=busy, victims=victims, reason=reason,
+            to_cold=to_cold,
         )
 
     if target.state is State.HOT:
         return answer(Verdict.ALREADY_LOADED, (), f"{_label(target)} is already loaded")
     if target.bytes > capacity_bytes - pinned:
         return answer(Verdict.NEVER_FITS, (), (
-            f"{_label(target)} needs {format_bytes(target.bytes)} but {target.device} has a "
+            f"{needs} but {target.device} has a "
             f"budget of {format_bytes(capacity_bytes)} after headroom, of which pinned models "
             f"hold {format_bytes(pinned)} (pinned: {pinned_names})"
         ))
     free = capacity_bytes - used
-    victims = policy(others, target.bytes, free)
+    victims = policy(others, target.bytes - target.held, free)
+    if victims is None and any(r.goes_warm for r in others if r.evictable):
+        # Warm copies of the victims would leave too little: they go to cold instead.
+        others = [replace(r, goes_warm=False) for r in others]
+        victims = policy(others, target.bytes - target.held, free)
+        to_cold = victims is not None
     if victims is None:
         return answer(Verdict.WAIT_FOR_BUSY, (), (
-            f"{_label(target)} needs {format_bytes(target.bytes)}; {format_bytes(free)} is free "
+            f"{needs}; {format_bytes(free)} is free "
             f"and models with requests in flight hold {format_bytes(busy)}; it loads when they "
             f"finish"
         ))
     if not victims:
         return answer(Verdict.FITS, (), (
-            f"{_label(target)} needs {format_bytes(target.bytes)} and {format_bytes(free)} is free"
+            f"{needs} and {format_bytes(free)} is free"
         ))
     by_key = {r.key: r for r in others}
     named = ", ".join(
-        f"{_label(by_key[k])} ({format_bytes(by_key[k].bytes)}, idle, "
-        f"{explain_victim(policy, by_key[k])})"
+        f"{_label(by_key[k])} ({format_bytes(by_key[k].frees)} to {by_key[k].evicted_to}, "
+        f"idle, {explain_victim(policy, by_key[k])})"
         for k in victims
     )
     return answer(Verdict.FITS_AFTER_EVICTION, victims, (
-        f"{_label(target)} needs {format_bytes(target.bytes)} and {format_bytes(free)} is free; "
+        f"{needs} and {format_bytes(free)} is free; "
         f"evicting {named} makes room"
     ))
 

@@ -11,7 +11,11 @@ weights on one device; catalog entries with the same `LoadSpec` share one reside
 loaded once and counted once. Memory, states and eviction are per resident; quotas per model.
 
 A resident moves COLD -> ADMITTING -> LOADING -> HOT -> UNLOADING -> COLD (or FAILED). ADMITTING
-holds nothing; LOADING, HOT and UNLOADING hold their bytes (`ResidentView.holds_memory`).
+holds nothing; LOADING, HOT and UNLOADING hold their bytes (`ResidentView.held`). On a device
+with the warm tier, an eviction chosen by the victim policy goes HOT -> UNLOADING -> WARM where
+the engine can give its weights back and keep its objects; a WARM one holds what it kept, and
+its next load (WARM -> ADMITTING -> LOADING -> HOT) restores it, admitted for the difference;
+a WARM victim, an operator's unload, a retirement or shutdown takes it to COLD.
 
 Invariants (all state lives on the event loop thread; only backend calls run in threads):
 - `res.leases` counts requests that hold or wait for the resident; a resident with leases is
@@ -20,11 +24,12 @@ Invariants (all state lives on the event loop thread; only backend calls run in 
   through `asyncio.shield`, so one that is cancelled cannot interrupt it. Until the engine call
   starts, a load nobody waits for any more gives up, having loaded and evicted nothing; from
   LOADING on it runs to the end and publishes the model hot or undoes itself.
-- Every transition of a resident on device D (ADMITTING->LOADING->HOT, HOT->UNLOADING->COLD)
+- Every transition of a resident on device D (ADMITTING->LOADING->HOT, HOT->UNLOADING->COLD,
+  and the same through WARM)
   happens while holding `self._device_locks[D]`: two loads never count the same free bytes, and
   no load is measured while another load or unload on D moves its memory. Waiting for that
   lock is bounded by `load_wait_s`.
-- Weights leave a device only through `_to_cold`.
+- Weights leave a device only through `_to_cold` (which also makes warm copies).
 - Lock order: a model's quota slot is taken before the device lock; nothing holds a device lock
   while waiting for a quota slot.
 """
@@ -167,6 +172,8 @@ class ModelStatus:
     load_seconds: float | None
     error: str | None
     shares_weights_with: tuple[str, ...]
+    bytes_warm: int | None = None  # what it holds while warm (engine objects, no weights)
+    restore_seconds: float | None = None  # the last restore from warm
 
 
 @dataclass(frozen=True)
@@ -259,6 +266,14 @@ class _Resident:
     retired: list[_Model] = field(default_factory=list)  # removed models still draining
     former: str = ""  # its label when the catalog last named it
     retiring: bool = False  # a `_retire` task watches it
+    # The warm tier: a backend that gave its weights back and kept its engine objects (while
+    # WARM, and while a load restores it), what it holds then (as last measured), whether its
+    # engine has a warm state (None: not tried yet), and how long the last restore took.
+    warm: Backend | None = None
+    warm_bytes: int = 0
+    warmable: bool | None = None
+    restore_seconds: float | None = None
+    unloading_bytes: int | None = None  # while UNLOADING: a warm copy holds less than `bytes`
 
     @property
     def key(self) -> str:
@@ -400,6 +415,7 @@ class Scheduler:
         check_files: Callable[[LoadSpec], None] | None = None,
         sinks: Sequence[EventSink] = (log_event,),
         load_nice: int = 0,
+        warm_tier: Iterable[str] = (),
     ) -> None:
         self._factory = factory
         self._probe = probe
@@ -418,6 +434,8 @@ class Scheduler:
             victim_policy if victim_policy is not None and not isinstance(victim_policy, Mapping)
             else CostAware())
         self._check_files = check_files  # before every load; the server checks headers
+        # Devices whose evictions keep an engine's objects and give back only its weights.
+        self._warm_tier = frozenset(warm_tier)
         self._sinks = list(sinks)
         self._devices = {d.name: d for d in devices}
         self._residents: dict[str, _Resident] = {}
@@ -476,7 +494,7 @@ class Scheduler:
                 res.load_task.cancel()
         await asyncio.gather(*self._background, *loads, return_exceptions=True)
         for res in list(self._residents.values()):
-            if res.state is not State.HOT:
+            if res.state not in (State.HOT, State.WARM):
                 continue
             if res.leases:  # unloading an engine in use could crash it; the process ends anyway
                 log.warning("%s still has %d requests in flight at shutdown; not unloaded",
@@ -484,7 +502,7 @@ class Scheduler:
                 continue
             try:
                 async with self._device_lock(res.load.device, f"unloading {res.label}"):
-                    if res.state is State.HOT and not res.leases:
+                    if res.state in (State.HOT, State.WARM) and not res.leases:
                         await self._to_cold(res, None)
             except ModelUnavailable as exc:
                 log.error("could not unload %s at shutdown: %s", res.label, exc.message)
@@ -681,7 +699,7 @@ class Scheduler:
             res.load_task = None
             res.abandonable = False
             if res.state in (State.ADMITTING, State.LOADING):
-                res.state = State.FAILED if res.quarantine is not None else State.COLD
+                res.state = self._at_rest(res)
                 self._signal_memory()
 
     async def _admit_and_load(self, res: _Resident) -> None:
@@ -697,6 +715,7 @@ class Scheduler:
                 # Before any eviction: a file that cannot load must cost other models nothing.
                 await self._run(self._check_files, res.load)
             except ConfigError as exc:
+                await self._drop_warm(res)  # its files are gone or broken: so is the copy
                 raise self._failed(res, exc.message, self._clock() - t0) from exc
         retried = False
         while True:
@@ -722,6 +741,11 @@ class Scheduler:
                 if admission.verdict is Verdict.NEVER_FITS:
                     raise NeverFits(admission.reason)
                 if admission.verdict is Verdict.WAIT_FOR_BUSY:
+                    if res.warm is not None:
+                        # Its warm copy waits with it, where no other load may evict it: two
+                        # warm models asked at once could each wait for the other's copy.
+                        await self._drop_warm(res)
+                        continue
                     if deadline - self._clock() <= 0:
                         raise ModelUnavailable(
                             f"model {res.label} timed out after {self._load_wait_s:g}s waiting "
@@ -730,8 +754,9 @@ class Scheduler:
                 if admission.victims:
                     # One at a time, then plan again: a request may lease the next victim
                     # while this one unloads.
-                    await self._to_cold(self._residents[admission.victims[0]],
-                                        f"make room for {res.label}", cause="make_room")
+                    await self._evict(self._residents[admission.victims[0]],
+                                      f"make room for {res.label}", cause="make_room",
+                                      cold=admission.to_cold)
                     continue
                 res.state = State.LOADING
                 t_load = self._clock()
@@ -781,19 +806,23 @@ class Scheduler:
         is asked to free that much again, counting nothing as free; if the idle models hold
         less, all of them go, still in the policy's order.
         """
-        others = [self._view(r) for r in self._residents.values()
+        others = [dataclasses.replace(self._view(r), goes_warm=False)  # they go cold
+                  for r in self._residents.values()
                   if r is not res and r.load.device == res.load.device]
         policy = self._policy(res.load.device)
         victims = policy(others, res.bytes, 0)
         if victims is None:
-            victims = policy(others, sum(v.bytes for v in others if v.evictable), 0)
+            victims = policy(others, sum(v.frees for v in others if v.evictable), 0)
         return victims or ()
 
     async def _materialize(self, res: _Resident) -> None:
-        """LOADING -> HOT: run the engine's load and publish it. Must hold the device lock.
+        """LOADING -> HOT: run the engine's load (or restore its warm copy) and publish it. Must
+        hold the device lock.
 
         Never abandoned: once the engine call has started, its outcome is published or undone.
         """
+        if res.warm is not None and await self._restore(res):
+            return
         device = res.load.device
         t0 = self._clock()
 
@@ -819,8 +848,8 @@ class Scheduler:
             return backend, max(grown, backend.weight_bytes())
 
         # No other model's objects alive: the live ones may be frozen out of the collector.
-        alone = not any(self._view(r).holds_memory for r in self._residents.values()
-                        if r is not res)
+        alone = not any(self._view(r).holds_memory or r.warm is not None
+                        for r in self._residents.values() if r is not res)
         self._emit(LoadStartEvent(model=res.label, device=device))
         backend, measured = await self._run(build)
         seconds = self._clock() - t0
@@ -847,47 +876,148 @@ class Scheduler:
             self._emit(LoadFailedEvent(model=res.label, device=device, bytes=measured,
                                        seconds=seconds, reason=reason, will_retry=False))
             raise NeverFits(reason)
-        res.backend, res.runner, res.load_seconds = backend, Runner(backend), seconds
-        res.state, res.error, res.failed_until = State.HOT, None, 0.0
-        res.last_used = self._clock()
+        res.warmable = None  # a new engine object: whether it can go warm is asked anew
+        res.load_seconds = seconds
+        self._publish(res, backend)
         self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
                              bytes_measured=measured, seconds=seconds, reason="first use"))
         await self._shed(device, f"{res.label} measured more than its estimate",
                          cause="overshoot", keep=res)
         self._signal_memory()
 
+    def _publish(self, res: _Resident, backend: Backend) -> None:
+        res.backend, res.runner = backend, Runner(backend)
+        res.state, res.error, res.failed_until = State.HOT, None, 0.0
+        res.last_used = self._clock()
+
+    async def _drop_warm(self, res: _Resident) -> None:
+        """Unload the warm copy of `res`, which is loading (or failing to): its next load is
+        a whole one. Must hold the device lock."""
+        backend, res.warm = res.warm, None
+        if backend is None:
+            return
+        try:
+            await self._run(backend.unload)
+        finally:
+            del backend
+            await self._run(self._probe.release, res.load.device)
+            self._signal_memory()
+
+    async def _restore(self, res: _Resident) -> bool:
+        """Warm -> HOT: the engine reads its weights back into the objects it kept. If that
+        fails, the warm copy is unloaded and False returned: the caller loads anew."""
+        backend = res.warm
+        assert backend is not None
+        device = res.load.device
+        t0 = self._clock()
+        self._emit(LoadStartEvent(model=res.label, device=device))
+        try:
+            await self._run(backend.restore_weights)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.warning("restoring %s from the warm tier failed (%s); loading it anew",
+                        res.label, reason)
+            self._emit(LoadFailedEvent(model=res.label, device=device, bytes=res.bytes,
+                                       seconds=self._clock() - t0, reason=reason,
+                                       will_retry=True))
+            del backend
+            await self._drop_warm(res)
+            return False
+        res.warm = None
+        res.restore_seconds = seconds = self._clock() - t0
+        self._publish(res, backend)
+        self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
+                             bytes_measured=res.bytes, seconds=seconds, reason="first use",
+                             tier_from="warm"))
+        self._signal_memory()
+        return True
+
     # ----------------------------------------------------------------- unloading
 
+    def _at_rest(self, res: _Resident) -> State:
+        """Where `res` is when nothing is loading it: warm while its warm copy is kept, else
+        failed if quarantined, else cold."""
+        if res.warm is not None:
+            return State.WARM  # a quarantine's retirement takes it to cold, then FAILED
+        return State.FAILED if res.quarantine is not None else State.COLD
+
+    async def _evict(self, res: _Resident, reason: str, *, cause: str,
+                     cold: bool = False) -> None:
+        """The victim policy's choice leaves its tier: hot to warm where its device has a warm
+        tier and its engine a warm state (unless `cold`: warm copies would leave too little
+        room), else to cold; warm to cold. Must hold the lock."""
+        await self._to_cold(res, reason, cause=cause,
+                            warm=not cold and res.state is State.HOT and self._goes_warm(res))
+
+    def _goes_warm(self, res: _Resident) -> bool:
+        """Whether an eviction of `res` now would try the warm tier."""
+        return (res.load.device in self._warm_tier and res.warmable is not False
+                and res.quarantine is None and bool(res.models))
+
     async def _to_cold(self, res: _Resident, reason: str | None,
-                       backend: Backend | None = None, *, cause: str = "retired") -> None:
+                       backend: Backend | None = None, *, cause: str = "retired",
+                       warm: bool = False) -> None:
         """The one way weights leave a device: HOT (or LOADING, with the `backend` that loaded)
-        -> UNLOADING -> COLD, or FAILED if quarantined. Must hold the device lock; nothing may
-        hold a lease on a HOT one. Emits an EvictEvent with `reason` unless it is None (shutdown,
-        a quota); when the victim policy chose it (`cause` make_room, memory_retry,
-        budget_shrank), the event carries the policy's explanation."""
-        backend = backend or res.backend
+        -> UNLOADING -> COLD, or FAILED if quarantined; with `warm`, to WARM if the engine can
+        keep its objects without its weights; a WARM one to COLD. Must hold the device lock;
+        nothing may hold a lease on a HOT one. Emits an EvictEvent with `reason` unless it is
+        None (shutdown, a quota); when the victim policy chose it (`cause` make_room,
+        memory_retry, budget_shrank), the event carries the policy's explanation."""
         policy = self._policy(res.load.device)
         chosen = cause in _POLICY_CAUSES  # the victim policy picked it: say why
-        why = explain_victim(policy, self._view(res)) if chosen else ""
+        view = dataclasses.replace(self._view(res), goes_warm=warm)
+        why = explain_victim(policy, view) if chosen else ""
+        from_warm = res.state is State.WARM
+        backend = backend or res.backend or res.warm
         assert backend is not None and (res.state is State.LOADING or res.leases == 0)
+        freed = res.warm_bytes if from_warm else res.bytes
+        res.unloading_bytes = freed  # what it holds until the engine has let go
         res.backend = res.runner = None
         res.state = State.UNLOADING  # holds its bytes until the engine has let go
         res.settled = settled = asyncio.Event()  # new requests wait, then load it again
         t0 = self._clock()
+        kept: int | None = None
         try:
-            await self._run(backend.unload)
-            del backend
-            await self._run(self._probe.release, res.load.device)
+            if warm:
+                kept = await self._run(self._release_weights, res, backend)
+            if kept is None:
+                res.warm = None
+                await self._run(backend.unload)
+                del backend
+                await self._run(self._probe.release, res.load.device)
+            else:
+                res.warm, res.warm_bytes = backend, kept
+                freed = res.bytes - kept
         finally:
-            res.state = State.FAILED if res.quarantine is not None else State.COLD
+            res.state = self._at_rest(res)
+            res.unloading_bytes = None
             res.settled = None
             settled.set()
             self._signal_memory()
         if reason is not None:
-            self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=res.bytes,
+            self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=freed,
                                   seconds=self._clock() - t0, reason=reason,
                                   cause=cause, policy=policy_name(policy) if chosen else "",
-                                  why=why))
+                                  why=why, tier_to="warm" if kept is not None else "cold"))
+
+    def _release_weights(self, res: _Resident, backend: Backend) -> int | None:
+        """In a worker thread: ask the engine to give its weights back and keep its objects.
+        The bytes it still holds then (measured as the load is, never more than it held), or
+        None if it cannot: then it is unloaded whole."""
+        device = res.load.device
+        self._probe.release(device)  # garbage from before is not the release's to claim
+        before = self._probe.used_bytes(device)
+        try:
+            kept = backend.release_weights()
+        except Exception:
+            log.exception("%s could not give its weights back; unloading it", res.label)
+            return None
+        res.warmable = kept
+        if not kept:
+            return None
+        self._probe.release(device)
+        freed = before - self._probe.used_bytes(device)
+        return min(res.bytes, max(res.bytes - freed, backend.weight_bytes(), 0))
 
     async def _retire(self, res: _Resident, reason: str) -> None:
         """Unload `res` once nothing uses it, because it was quarantined or removed from the
@@ -904,10 +1034,10 @@ class Scheduler:
         while res.quarantine is not None or not res.models:
             changed = self._memory_changed  # taken before looking, so no signal is missed
             busy = bool(res.leases or res.load_task or any(not m.idle for m in res.retired))
-            if not busy and res.state is State.HOT:
+            if not busy and res.state in (State.HOT, State.WARM):
                 try:
                     async with self._device_lock(res.load.device, f"retiring {res.label}"):
-                        if (res.state is State.HOT and not res.leases
+                        if (res.state in (State.HOT, State.WARM) and not res.leases
                                 and not any(not m.idle for m in res.retired)):
                             await self._to_cold(res, reason)
                 except ModelUnavailable as exc:
@@ -1042,11 +1172,26 @@ class Scheduler:
         if self._is_pinned(res):
             raise Conflict(f"model {res.label} is pinned; unpin it first")
         async with self._device_lock(res.load.device, f"unloading {res.label}"):
-            if res.state is not State.HOT:
+            if res.state not in (State.HOT, State.WARM):
                 return
             if res.leases:
                 raise Conflict(f"model {res.label} has {res.leases} requests in flight")
             await self._to_cold(res, "unloaded by operator", cause="operator")
+
+    async def offload(self, name: str) -> None:
+        """Operator action: move `name` from hot to the next tier down now, whether or not its
+        device evicts to the warm tier: warm if its engine can keep its objects without its
+        weights, else cold (the answer's state says which). Conflict if pinned or busy."""
+        res = self._model(name).resident
+        if self._is_pinned(res):
+            raise Conflict(f"model {res.label} is pinned; unpin it first")
+        async with self._device_lock(res.load.device, f"offloading {res.label}"):
+            if res.state is not State.HOT:
+                return
+            if res.leases:
+                raise Conflict(f"model {res.label} has {res.leases} requests in flight")
+            await self._to_cold(res, "offloaded by operator", cause="operator",
+                                warm=res.warmable is not False)
 
     async def pin(self, name: str) -> None:
         """Operator action: keep `name` loaded. If its load fails the pin is rolled back and the
@@ -1246,14 +1391,14 @@ class Scheduler:
                      if r.load.device == device and r is not keep]
             victims = self._policy(device)(views, over, 0)
             if not victims:  # not enough idle bytes: free what there is, the rest waits
-                idle = sum(v.bytes for v in views if v.evictable)
+                idle = sum(v.frees for v in views if v.evictable)
                 victims = self._policy(device)(views, idle, 0) if idle else None
             if not victims:
                 log.warning("%s holds %s more than its budget of %s until busy models finish "
                             "(%s)", device, format_bytes(over),
                             format_bytes(self._devices[device].capacity_bytes), reason)
                 return
-            await self._to_cold(self._residents[victims[0]], reason, cause=cause)
+            await self._evict(self._residents[victims[0]], reason, cause=cause)
 
     # ----------------------------------------------------------------- views
 
@@ -1300,7 +1445,9 @@ class Scheduler:
                 bytes_measured=res.measured, in_flight=m.running, queued=len(m.waiters),
                 last_used=(res.last_used + self._wall_offset) if res.last_used else None,
                 load_seconds=res.load_seconds, error=res.error,
-                shares_weights_with=tuple(n for n in res.models if n != m.spec.name)))
+                shares_weights_with=tuple(n for n in res.models if n != m.spec.name),
+                bytes_warm=res.warm_bytes if res.warm is not None else None,
+                restore_seconds=res.restore_seconds))
         return rows
 
     # ----------------------------------------------------------------- helpers
@@ -1324,10 +1471,13 @@ class Scheduler:
     def _view(self, res: _Resident) -> ResidentView:
         return ResidentView(
             key=res.key, device=res.load.device, state=res.state,
-            bytes=res.bytes,
+            bytes=res.unloading_bytes if res.unloading_bytes is not None else res.bytes,
             pinned=self._is_pinned(res), in_flight=res.leases, last_used=res.last_used,
             models=tuple(res.models), reload_s=res.load_seconds or 0.0,
-            rate_per_s=arrival_rate(res.arrivals, self._clock()))
+            rate_per_s=arrival_rate(res.arrivals, self._clock()),
+            goes_warm=self._goes_warm(res), keeps_bytes=res.warm_bytes,
+            restore_s=res.restore_seconds or 0.0,
+            warm_bytes=res.warm_bytes if res.warm is not None else 0)
 
     def _admission(self, res: _Resident) -> Admission:
         device = self._devices[res.load.device]
@@ -1342,8 +1492,8 @@ class Scheduler:
         return self._default_policy
 
     def _used(self, device: str) -> int:
-        return sum(v.bytes for v in map(self._view, self._residents.values())
-                   if v.device == device and v.holds_memory)
+        return sum(v.held for v in map(self._view, self._residents.values())
+                   if v.device == device)
 
     def _emit(self, event: Event) -> None:
         for sink in self._sinks:

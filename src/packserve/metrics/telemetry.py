@@ -76,7 +76,8 @@ class Telemetry:
             "packserve_model_load_seconds", "Seconds to bring a model's weights onto its device",
             ["model", "tier"], buckets=LOAD_BUCKETS, registry=self.registry)
         self._residency_events = Counter(
-            "packserve_model_events", "Residency events: load, offload, restore, evict, failure",
+            "packserve_model_events", "Residency events: load, restore (from warm), offload (to "
+            "warm), evict (to cold), failure",
             ["model", "event"], registry=self.registry)
         self._evictions = Counter(
             "packserve_evictions", "Evictions by cause (make_room, memory_retry, budget_shrank, "
@@ -119,10 +120,12 @@ class Telemetry:
             self._on_request(event)
         elif isinstance(event, LoadEvent):
             self._load_seconds.labels(event.model, event.tier_from).observe(event.seconds)
-            self._residency_events.labels(event.model, "load").inc()
+            restored = event.tier_from == "warm"
+            self._residency_events.labels(event.model, "restore" if restored else "load").inc()
             self._remember(event)
         elif isinstance(event, EvictEvent):
-            self._residency_events.labels(event.model, "evict").inc()
+            offloaded = event.tier_to == "warm"
+            self._residency_events.labels(event.model, "offload" if offloaded else "evict").inc()
             self._evictions.labels(event.model, event.device, event.cause,
                                    event.policy or "none").inc()
             self._remember(event)
@@ -250,7 +253,8 @@ class _SnapshotCollector(Collector):
         budget = GaugeMetricFamily("packserve_device_budget_bytes",
                                    "Memory the scheduler may fill on the device", labels=["device"])
         used = GaugeMetricFamily("packserve_device_used_bytes",
-                                 "Bytes held by hot and loading models", labels=["device"])
+                                 "Bytes held by hot and loading models and warm copies",
+                                 labels=["device"])
         headroom = GaugeMetricFamily("packserve_device_headroom_bytes",
                                      "Budget minus used bytes, now", labels=["device"])
         low = GaugeMetricFamily("packserve_device_headroom_min_bytes",
@@ -281,6 +285,8 @@ class _SnapshotCollector(Collector):
                 continue
             seen.add(label)
             size = row.bytes_measured if row.bytes_measured is not None else row.bytes_estimated
+            if row.state is State.WARM:
+                size = row.bytes_warm or 0  # its engine objects: the weights were given back
             model_bytes.add_metric([label, row.state.value], size)
         yield from (model_bytes, queued, running)
 

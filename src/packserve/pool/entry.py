@@ -62,7 +62,7 @@ _MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/co
                  "/v1/responses")
 _LOST = (RayActorError, ActorUnavailableError)
 _TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
-_STATE_RANK = {"hot": 0, "loading": 1, "admitting": 2, "unloading": 3, "failed": 5}
+_STATE_RANK = {"hot": 0, "loading": 1, "admitting": 2, "warm": 3, "unloading": 3, "failed": 5}
 _STATUS_PAGE = (resources.files("packserve.pool") / "status.html").read_text("utf-8")
 
 
@@ -332,7 +332,7 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         Route("/v1/residency", residency, methods=["GET"]),
         Route("/v1/residency/plan", residency, methods=["GET"]),
         *(Route(f"/v1/residency/{{name:path}}/{verb}", admin, methods=["POST"])
-          for verb in ("load", "unload", "pin", "unpin")),
+          for verb in ("load", "unload", "offload", "pin", "unpin")),
         Route("/{path:path}", not_found, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     app = Starlette(

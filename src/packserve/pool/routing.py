@@ -29,6 +29,7 @@ DEFAULT_LOAD_S = 2.0
 # A request whose model's service time is not measured yet: what it is taken to take.
 DEFAULT_SERVICE_S = 0.2
 _HOLDING = (State.HOT, State.LOADING, State.ADMITTING)
+_WARM_FIRST = 1 << 62  # ranks a replica with a warm copy before any free bytes do
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,9 @@ def route(model: str, replicas: Sequence[ReplicaView],
         elif m.holds:
             busy.append((expected_wait(m, n, load_s), r.replica))
         elif m.verdict in (Verdict.FITS, Verdict.ALREADY_LOADED):
-            fits.append((-(r.free_bytes - pending.get(r.replica, 0)), r.replica))
+            # A warm copy there comes back by a restore, not a whole load: it goes first.
+            room = r.free_bytes - pending.get(r.replica, 0)
+            fits.append((-room - (_WARM_FIRST if m.state is State.WARM else 0), r.replica))
         elif m.verdict is Verdict.FITS_AFTER_EVICTION:
             evicts.append((m.evict_s, m.evict_bytes, r.replica))
         else:  # WAIT_FOR_BUSY

@@ -1,4 +1,5 @@
-"""Admin routes: what is loaded where, what a load would evict, and load/unload/pin/unpin."""
+"""Admin routes: what is loaded where, what a load would evict, and
+load/unload/offload/pin/unpin."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _plan(model: str, s: Services) -> dict[str, Any]:
 
 
 def _admin(verb: str) -> Callable[[str, Services], Awaitable[dict[str, Any]]]:
-    """A route that runs the scheduler's `verb` (load, unload, pin, unpin) on the model, then
-    answers with the model's state."""
+    """A route that runs the scheduler's `verb` (load, unload, offload, pin, unpin) on the
+    model, then answers with the model's state."""
 
     async def route(name: str, s: ServicesDep) -> dict[str, Any]:
         action: Callable[[str], Awaitable[None] | None] = getattr(s.scheduler, verb)
@@ -54,5 +55,5 @@ def _admin(verb: str) -> Callable[[str, Services], Awaitable[dict[str, Any]]]:
     return route
 
 
-for _verb in ("load", "unload", "pin", "unpin"):
+for _verb in ("load", "unload", "offload", "pin", "unpin"):
     router.add_api_route(f"/v1/residency/{{name:path}}/{_verb}", _admin(_verb), methods=["POST"])
