@@ -223,23 +223,47 @@ def test_an_operator_offload_keeps_it_warm_or_else_unloads_it() -> None:
     run(body())
 
 
-def test_a_warm_model_that_must_wait_for_busy_ones_gives_up_its_copy() -> None:
+def test_a_warm_model_waiting_for_busy_ones_keeps_its_copy_unless_another_load_needs_it(
+) -> None:
     async def body() -> None:
-        # A warm copy waiting with its load is nobody's to evict: two warm models asked at once
-        # could each wait for the other's copy. So a load that must wait drops its own.
+        h = harness([entry("a", 100, warm_mib=10), entry("b", 100), entry("c", 100),
+                     entry("d", 50)], budget_mib=250, warm_tier=True)
+        s = h.scheduler
+        await _a_goes_warm(h)
+        busy_b, busy_c = await hold(s, "b"), await hold(s, "c")
+        waiting = asyncio.create_task(use(s, "a"))  # 90 MiB more, 40 free: waits for b or c
+        await _until(lambda: h.state("a") is State.ADMITTING)
+        await drain()
+        assert h.status("a").bytes_warm == 10 * MIB  # its copy waits with it
+        # d (50 MiB, 40 free) fits only if a's waiting copy goes: it does, to cold
+        await asyncio.wait_for(use(s, "d"), 10)
+        assert h.control.unloads == {"fake:100MiB?warm=10MiB": 1}
+        (dropped,) = [e for e in h.events.of(EvictEvent) if e.model == "a" and e.tier_to == "cold"]
+        assert (dropped.bytes, dropped.cause) == (10 * MIB, "make_room")
+        await busy_b.release()
+        await busy_c.release()
+        await asyncio.wait_for(waiting, 10)
+        assert h.control.loads["fake:100MiB?warm=10MiB"] == 2  # a whole load, no restore
+        assert h.control.restores == {}
+        assert max(h.events.gauges) <= h.capacity
+        await s.close()
+
+    run(body())
+
+
+def test_a_warm_model_that_waits_for_busy_ones_is_restored_after() -> None:
+    async def body() -> None:
         h = _warm_pair()
         s = h.scheduler
         await _a_goes_warm(h)
         busy_b, busy_c = await hold(s, "b"), await hold(s, "c")
         waiting = asyncio.create_task(use(s, "a"))
-        await _until(lambda: bool(h.control.unloads))
-        assert h.control.unloads == {"fake:100MiB?warm=10MiB": 1}  # its copy went
-        assert h.state("a") is State.ADMITTING
+        await _until(lambda: h.state("a") is State.ADMITTING)
         await busy_b.release()
         await busy_c.release()
         await asyncio.wait_for(waiting, 10)
-        assert h.control.loads["fake:100MiB?warm=10MiB"] == 2  # a whole load
-        assert max(h.events.gauges) <= h.capacity
+        assert h.control.restores == {"fake:100MiB?warm=10MiB": 1}
+        assert h.control.loads["fake:100MiB?warm=10MiB"] == 1
         await s.close()
 
     run(body())
@@ -258,3 +282,11 @@ def test_a_quarantined_warm_model_is_unloaded() -> None:
         await s.close()
 
     run(body())
+
+
+def test_a_waiting_loads_warm_copy_can_go_cold_but_its_requests_stay() -> None:
+    waiting = resident("w", 100, state=State.ADMITTING, warm_mib=10, in_flight=3)
+    cold_waiting = resident("n", 100, state=State.ADMITTING, in_flight=3)
+    assert waiting.evictable and waiting.frees == 10 * MIB and waiting.evicted_to == "cold"
+    assert not cold_waiting.evictable
+    assert waiting.held == 10 * MIB

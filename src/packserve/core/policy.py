@@ -52,14 +52,19 @@ class ResidentView:
 
     @property
     def evictable(self) -> bool:
-        """Idle, unpinned, and hot (to warm, or to cold) or warm (to cold)."""
-        return (self.state in (State.HOT, State.WARM) and not self.pinned
-                and self.in_flight == 0)
+        """Idle, unpinned, and hot (to warm, or to cold) or warm (to cold); or a warm copy whose
+        own load waits for memory (its copy goes cold, its load becomes a whole one: were it
+        kept, two warm models asked at once could each wait for the other's copy)."""
+        if self.pinned:
+            return False
+        if self.state is State.ADMITTING:
+            return self.warm_bytes > 0
+        return self.state in (State.HOT, State.WARM) and self.in_flight == 0
 
     @property
     def frees(self) -> int:
         """The bytes its eviction gives back: all but what a warm copy keeps."""
-        if self.state is State.WARM:
+        if self.state in (State.WARM, State.ADMITTING):
             return self.warm_bytes
         return self.bytes - (self.keeps_bytes if self.goes_warm else 0)
 
@@ -72,7 +77,7 @@ class ResidentView:
         """Seconds its eviction adds to its next load: a restore, a whole load, or (from warm to
         cold) the difference. Unknown restore times count as whole loads."""
         restore = self.restore_s or self.reload_s
-        if self.state is State.WARM:
+        if self.state in (State.WARM, State.ADMITTING):
             return max(self.reload_s - restore, 0.0)
         return restore if self.goes_warm else self.reload_s
 
@@ -271,7 +276,7 @@ class CostAware:
             soon = "no use seen since it loaded"
         else:
             soon = f"next use expected in {_seconds(1.0 / r.rate_per_s)}"
-        if r.state is State.WARM:
+        if r.state in (State.WARM, State.ADMITTING):
             back = "reload beyond a restore"
         else:
             back = "restore" if r.goes_warm else "reload"

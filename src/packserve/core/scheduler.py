@@ -741,11 +741,6 @@ class Scheduler:
                 if admission.verdict is Verdict.NEVER_FITS:
                     raise NeverFits(admission.reason)
                 if admission.verdict is Verdict.WAIT_FOR_BUSY:
-                    if res.warm is not None:
-                        # Its warm copy waits with it, where no other load may evict it: two
-                        # warm models asked at once could each wait for the other's copy.
-                        await self._drop_warm(res)
-                        continue
                     if deadline - self._clock() <= 0:
                         raise ModelUnavailable(
                             f"model {res.label} timed out after {self._load_wait_s:g}s waiting "
@@ -783,8 +778,8 @@ class Scheduler:
                         self._check_wanted(res)
                         victim = self._residents.get(key)
                         if victim is not None and self._view(victim).evictable:
-                            await self._to_cold(victim, f"free memory to retry {res.label}",
-                                                cause="memory_retry")
+                            await self._evict(victim, f"free memory to retry {res.label}",
+                                              cause="memory_retry", cold=True)
 
     def _failed(self, res: _Resident, reason: str, seconds: float, *,
                 twice: bool = False) -> ModelUnavailable:
@@ -946,6 +941,15 @@ class Scheduler:
         """The victim policy's choice leaves its tier: hot to warm where its device has a warm
         tier and its engine a warm state (unless `cold`: warm copies would leave too little
         room), else to cold; warm to cold. Must hold the lock."""
+        if res.state is State.ADMITTING:  # its load waits for memory: only its copy goes
+            view = self._view(res)
+            policy = self._policy(res.load.device)
+            await self._drop_warm(res)
+            self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=view.frees,
+                                  seconds=0.0, reason=reason, cause=cause,
+                                  policy=policy_name(policy),
+                                  why=explain_victim(policy, view), tier_to="cold"))
+            return
         await self._to_cold(res, reason, cause=cause,
                             warm=not cold and res.state is State.HOT and self._goes_warm(res))
 
