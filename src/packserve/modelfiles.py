@@ -114,6 +114,13 @@ def _check_safetensors(file: Path) -> None:
 _CACHE_VERSION = 2  # bump when ModelFacts gains fields, so older rows are read again
 
 
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """Which file `path` is, as it is now (device, inode, size, mtime): a weights file written
+    over or replaced since an engine read it has another."""
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def read_facts_cached(path: Path, cache_file: Path) -> ModelFacts:
     """`read_facts`, remembered in `cache_file` by path, size and mtime.
 

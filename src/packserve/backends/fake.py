@@ -119,41 +119,41 @@ class FakeBackend(Backend):
     def load(self) -> None:
         self.control.gate.wait(timeout=30)
         time.sleep(declared_load_s(self.spec))  # in the scheduler's load thread
+        self._count(self.control.loads, fallible=True)
+        self._loaded = True
+
+    def _count(self, counts: dict[str, int], *, fallible: bool = False) -> None:
+        """One more in `counts`; with `fallible`, fail as the control says."""
         with self.control.lock:
-            self.control.loads[self.name] = self.control.loads.get(self.name, 0) + 1
-            if self.control.fail_next > 0:
+            counts[self.name] = counts.get(self.name, 0) + 1
+            if fallible and self.control.fail_next > 0:
                 self.control.fail_next -= 1
                 raise self.control.failure(self.name)
-        self._loaded = True
 
     def unload(self) -> None:
         self.control.unload_gate.wait(timeout=30)
         if self._loaded:
-            with self.control.lock:
-                self.control.unloads[self.name] = self.control.unloads.get(self.name, 0) + 1
+            self._count(self.control.unloads)
         self._loaded = self._warm = False
 
     def release_weights(self) -> bool:
         if declared_warm_bytes(self.spec) is None or not self._loaded:
             return False
-        with self.control.lock:
-            self.control.releases[self.name] = self.control.releases.get(self.name, 0) + 1
+        self._count(self.control.releases)
         self._warm = True
         return True
 
     def restore_weights(self) -> None:
         self.control.gate.wait(timeout=30)
-        with self.control.lock:
-            self.control.restores[self.name] = self.control.restores.get(self.name, 0) + 1
-            if self.control.fail_next > 0:
-                self.control.fail_next -= 1
-                raise self.control.failure(self.name)
+        self._count(self.control.restores, fallible=True)
         self._warm = False
 
     def weight_bytes(self) -> int:
         if not self._loaded:
             return 0
-        return declared_warm_bytes(self.spec) or 0 if self._warm else declared_bytes(self.spec)
+        if self._warm:
+            return declared_warm_bytes(self.spec) or 0
+        return declared_bytes(self.spec)
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(t.split()) for t in texts]

@@ -47,7 +47,7 @@ from packserve.core.compute import TICKET, between_slices, between_tokens, turn,
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong, InvalidRequest
-from packserve.modelfiles import ModelFacts
+from packserve.modelfiles import ModelFacts, file_identity
 from packserve.planner.sizing import Breakdown, llama_cpp_breakdown
 from packserve.types import Task
 
@@ -128,7 +128,7 @@ class LlamaCppBackend(Backend):
         self._llm._n_ctx = context  # one sequence's window, for llama-cpp-python's checks
         self._llm.eval = _sliced(self._llm.eval)
         self._mapped = () if on_gpu else tuple(sorted(mapped))
-        self._file = _file_identity(self.spec.path)
+        self._file = file_identity(self.spec.path)
         self._threads = threads
         self._start_decoder()
         if slots > 1:
@@ -162,7 +162,7 @@ class LlamaCppBackend(Backend):
         a new context with the same parameters."""
         from llama_cpp._internals import LlamaContext
 
-        if _file_identity(self.spec.path) != self._file:
+        if file_identity(self.spec.path) != self._file:
             raise RuntimeError(f"{self.spec.path} changed since it was loaded; replace model "
                                f"files by renaming a new one into place, never by writing "
                                f"over them")
@@ -498,11 +498,6 @@ def _mapped_ranges(path: Path) -> frozenset[tuple[int, int]]:
             start, _, end = fields[0].partition("-")
             ranges.add((int(start, 16), int(end, 16)))
     return frozenset(ranges)
-
-
-def _file_identity(path: Path) -> tuple[int, int, int, int]:
-    stat = path.stat()
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _advise(ranges: Sequence[tuple[int, int]], advice: int) -> bool:

@@ -20,7 +20,7 @@ from packserve.core.compute import turn
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong
-from packserve.modelfiles import ModelFacts
+from packserve.modelfiles import ModelFacts, file_identity
 from packserve.planner.sizing import Breakdown, encoder_breakdown
 from packserve.types import Task
 
@@ -45,11 +45,6 @@ class _WarmPart:
     files: dict[Path, dict[str, str]]
     buffers: dict[str, Any]
     identity: dict[Path, tuple[int, int, int, int]]
-
-
-def _identity(path: Path) -> tuple[int, int, int, int]:
-    stat = path.stat()
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _warm_plan(model: Any, root: Path) -> tuple[_WarmPart, ...] | None:
@@ -97,7 +92,7 @@ def _warm_plan(model: Any, root: Path) -> tuple[_WarmPart, ...] | None:
         persistent = set(state)
         buffers = {n: b.clone() for n, b in module.named_buffers() if n not in persistent}
         parts.append(_WarmPart(module=module, files=files, buffers=buffers,
-                               identity={f: _identity(f) for f in files}))
+                               identity={f: file_identity(f) for f in files}))
     return tuple(parts) if parts else None
 
 
@@ -169,7 +164,7 @@ class _TorchBackend(Backend):
 
         for part in self._warm:
             for file, identity in part.identity.items():
-                if _identity(file) != identity:
+                if file_identity(file) != identity:
                     raise RuntimeError(f"{file} changed since {self.name} went warm")
         for part in self._warm:
             state: dict[str, Any] = {}

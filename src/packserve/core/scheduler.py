@@ -971,10 +971,9 @@ class Scheduler:
         chosen = cause in _POLICY_CAUSES  # the victim policy picked it: say why
         view = dataclasses.replace(self._view(res), goes_warm=warm)
         why = explain_victim(policy, view) if chosen else ""
-        from_warm = res.state is State.WARM
         backend = backend or res.backend or res.warm
         assert backend is not None and (res.state is State.LOADING or res.leases == 0)
-        freed = res.warm_bytes if from_warm else res.bytes
+        freed = res.warm_bytes if res.state is State.WARM else res.bytes
         res.unloading_bytes = freed  # what it holds until the engine has let go
         res.backend = res.runner = None
         res.state = State.UNLOADING  # holds its bytes until the engine has let go
@@ -984,6 +983,7 @@ class Scheduler:
         try:
             if warm:
                 kept = await self._run(self._release_weights, res, backend)
+                res.warmable = kept is not None  # asked again only of a new engine object
             if kept is None:
                 res.warm = None
                 await self._run(backend.unload)
@@ -1016,7 +1016,6 @@ class Scheduler:
         except Exception:
             log.exception("%s could not give its weights back; unloading it", res.label)
             return None
-        res.warmable = kept
         if not kept:
             return None
         self._probe.release(device)
