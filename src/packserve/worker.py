@@ -130,9 +130,9 @@ def main() -> int:
 
 async def _serve(config: Any, socket_path: str, control: ControlChannel,
                  quarantine: dict[str, str]) -> int:
-    import uvicorn
     from fastapi.responses import JSONResponse
 
+    from packserve import uvicorn_server
     from packserve.api.app import create_app
     from packserve.api.asgi import error_body
     from packserve.config import Config
@@ -171,7 +171,7 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
         return JSONResponse({"added": list(report.added), "removed": list(report.removed),
                              "changed": list(report.changed)})
 
-    server = uvicorn.Server(uvicorn.Config(
+    server = uvicorn_server.Server(uvicorn_server.Config(
         app, uds=socket_path, log_level=config.server.log_level, lifespan="on",
         access_log=config.server.access_log,
         ws="none",  # no websocket routes; "auto" imports the websockets library (~1 MiB)

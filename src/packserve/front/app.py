@@ -23,8 +23,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-import httpx
-import uvicorn
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -36,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
+from packserve import uvicorn_server
 from packserve.api.access import Authenticate
 from packserve.api.asgi import (
     REQUEST_ID,
@@ -164,13 +163,13 @@ class Front:
         if worker is None:
             raise ConfigError("not reloaded: no worker is answering")
         try:
-            r = await worker.client.post("/internal/reconfigure",
-                                         content=new.model_dump_json(),
-                                         timeout=self.wait_s + 30)
-            body = r.json()
-            if r.status_code != 200:
+            async with asyncio.timeout(self.wait_s + 30):
+                status, answer = await worker.call("POST", "/internal/reconfigure",
+                                                   new.model_dump_json().encode())
+            body = json.loads(answer)
+            if status != 200:
                 raise ConfigError(f"not reloaded: {body['error']['message']}")
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        except (UpstreamError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not reloaded: the worker did not answer the reload "
                               f"({type(exc).__name__}: {exc}); the running config keeps "
                               f"serving") from exc
@@ -203,8 +202,9 @@ def create_front_app(front: Front) -> ASGIApp:
         text = b""
         worker = await supervisor.wait_up(0)
         if worker is not None:
-            with contextlib.suppress(httpx.HTTPError):
-                text = (await worker.client.get("/metrics", timeout=10)).content
+            with contextlib.suppress(UpstreamError, TimeoutError):
+                async with asyncio.timeout(10):
+                    _status, text = await worker.call("GET", "/metrics")
         return Response(text + front.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def summary(request: Request) -> Response:
@@ -443,7 +443,7 @@ def _error(status: int, message: str, type_: str, code: str | None, *,
                         headers=headers)
 
 
-class _FrontServer(uvicorn.Server):
+class _FrontServer(uvicorn_server.Server):
     """uvicorn, minus its own signal handling: the front drains on SIGTERM/SIGINT instead of
     closing the socket at once."""
 
@@ -461,7 +461,7 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None,
                             on_start=metrics.worker_starts.inc)
     front = Front(config, supervisor, metrics, reload, keys)
     app = create_front_app(front)
-    server = _FrontServer(uvicorn.Config(
+    server = _FrontServer(uvicorn_server.Config(
         app, host=config.server.host, port=config.server.port, log_level=config.server.log_level,
         access_log=config.server.access_log,
         ws="none",  # no websocket routes; "auto" imports the websockets library (~1 MiB)

@@ -30,9 +30,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from packserve.config import Config
+from packserve.front import upstream
 from packserve.worker import (
     ENV_CONFIG,
     ENV_CONTROL_FD,
@@ -103,7 +102,6 @@ class Worker:
     generation: int
     proc: asyncio.subprocess.Process
     socket_path: Path
-    client: httpx.AsyncClient
     started_at: float
     up: asyncio.Event = field(default_factory=asyncio.Event)
     up_at: float = 0.0
@@ -117,6 +115,11 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    async def call(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+        """The front's own request to this worker (not a client's): status and body. Raises
+        `UpstreamError`; the caller bounds it with `asyncio.timeout`."""
+        return await upstream.call(str(self.socket_path), method, path, body)
 
     def on_line(self, line: bytes) -> None:
         try:
@@ -268,14 +271,7 @@ class Supervisor:
                 start_new_session=True)
         finally:
             os.close(write_fd)
-        # One connection per request: a keep-alive connection that the worker closes (uvicorn
-        # does after an unhandled error) would fail the next request sent on it, and opening
-        # a Unix socket costs microseconds.
-        client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(
-                uds=str(socket_path), limits=httpx.Limits(max_keepalive_connections=0)),
-            base_url="http://packserve-worker", timeout=None)
-        worker = Worker(generation=gen, proc=proc, socket_path=socket_path, client=client,
+        worker = Worker(generation=gen, proc=proc, socket_path=socket_path,
                         started_at=self._clock())
         self.current = worker
         self.state = WorkerState.STARTING if gen == 1 else WorkerState.RESTARTING
@@ -303,8 +299,9 @@ class Supervisor:
     async def _wait_answering(self, worker: Worker) -> None:
         while not worker.dead.done() and not self._stopping:
             try:
-                r = await worker.client.get("/healthz", timeout=2.0)
-                if r.status_code == 200:
+                async with asyncio.timeout(2.0):
+                    status, _ = await worker.call("GET", "/healthz")
+                if status == 200:
                     worker.up.set()
                     worker.up_at = self._clock()
                     if self.current is worker:
@@ -313,7 +310,7 @@ class Supervisor:
                     log.info("worker %d answering after %.2fs", worker.generation,
                              self._clock() - worker.started_at)
                     return
-            except httpx.TransportError:
+            except (upstream.UpstreamError, TimeoutError):
                 pass
             await asyncio.sleep(0.05)
 
@@ -325,12 +322,11 @@ class Supervisor:
         while not worker.dead.done() and not self._stopping:
             await asyncio.sleep(self._ping_s)
             try:
-                r = await worker.client.get("/healthz", timeout=self._ping_s)
-                misses = 0 if r.status_code == 200 else misses + 1
-            except httpx.TransportError:
+                async with asyncio.timeout(self._ping_s):
+                    status, _ = await worker.call("GET", "/healthz")
+                misses = 0 if status == 200 else misses + 1
+            except (upstream.UpstreamError, TimeoutError):
                 misses += 1
-            except RuntimeError:  # the client was closed: the worker is gone
-                return
             if misses >= self._misses and worker.proc.returncode is None:
                 log.error("worker %d (pid %d) has not answered for %.0fs; killing it",
                           worker.generation, worker.pid, self._ping_s * self._misses)
@@ -361,8 +357,6 @@ class Supervisor:
             if not worker.dead.done():
                 worker.dead.set_result(crash)
             self._notify()
-            with contextlib.suppress(Exception):
-                await worker.client.aclose()
             with contextlib.suppress(OSError):
                 worker.socket_path.unlink()
         if crash is None:

@@ -1,10 +1,11 @@
 """The front's client for relaying requests to its worker: HTTP/1.1 over the worker's Unix
 socket, one connection per request, responses parsed by httptools (uvicorn's own parser).
 
-Why not httpx, which the front still uses for its own calls to the worker (health pings, the
-config reload, /metrics): relaying a small request through httpx's AsyncClient cost the front
-several times the CPU of this, on the same cores the worker's engines need (`packserve bench
-overhead` reports the front's CPU per request). The peer is always
+Why not httpx: relaying a small request through httpx's AsyncClient cost the front several
+times the CPU of this, on the same cores the worker's engines need (`packserve bench overhead`
+reports the front's CPU per request), and importing it cost the idle front 1.6 MiB (httpx,
+httpcore, h11, http.cookiejar). The front's own calls (health pings, the config reload,
+/metrics) go through `call`. The peer is always
 packserve's own worker (uvicorn), so this needs no redirects, cookies, proxies or content
 decoding: a request line, headers, a body, and a response read as it comes.
 
@@ -135,3 +136,14 @@ async def _feed(reader: asyncio.StreamReader, http: httptools.HttpResponseParser
             return
         raise UpstreamError(f"the worker's response could not be read: {exc}") from exc
 
+
+
+async def call(socket_path: str, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One whole request of the front's own (not a client's): its status and body. Raises
+    `UpstreamError`; the caller bounds it with `asyncio.timeout`."""
+    headers = [(b"content-type", b"application/json")] if body else []
+    upstream = await request(socket_path, method, path.encode("ascii"), headers, body)
+    try:
+        return upstream.status, await upstream.read()
+    finally:
+        upstream.close()
