@@ -10,7 +10,15 @@ from collections.abc import Callable
 
 import pytest
 
-from packserve.core.compute import TICKET, ComputeGate, Gates, Ticket, between_tokens, turn
+from packserve.core.compute import (
+    TICKET,
+    ComputeGate,
+    Gates,
+    Ticket,
+    between_tokens,
+    step_units,
+    turn,
+)
 
 
 class Clock:
@@ -190,6 +198,43 @@ def test_one_thread_decodes_share_the_cores_and_an_embedding_waits_for_both_toke
         thread.join(5)
     assert events[0] == "embed" and sorted(events[1:]) == ["chat token 2", "complete token 2"]
     assert gate.busy_units == 0 and gate.yields == 2
+
+
+def test_a_prompt_slice_on_both_cores_waits_for_the_other_decode_and_gives_the_core_back(
+) -> None:
+    # A one-thread decode's turn reads a prompt slice on two threads: it holds both units for
+    # the slice, waiting for the other decode to let go of its core, and one after it.
+    gate = ComputeGate("cpu", capacity=2, clock=Clock())
+    other_in = threading.Event()
+    other_go = threading.Event()
+    seen: list[tuple[str, int]] = []
+
+    def other() -> None:
+        with turn(units=1):
+            other_in.set()
+            other_go.wait(5)
+
+    def reader() -> None:
+        t = TICKET.get()
+        assert t is not None
+        with turn(units=1):
+            seen.append(("decode", gate.held(t)))
+            with step_units(2):
+                seen.append(("slice", gate.held(t)))
+            seen.append(("decode", gate.held(t)))
+
+    o = _in_thread(other, gate.ticket("other", slo_s=4.0))
+    other_in.wait(5)
+    r = _in_thread(reader, gate.ticket("chat", slo_s=4.0))
+    _wait_until(lambda: gate.waiting == 1)  # the slice waits for the other core
+    assert seen == [("decode", 1)] and gate.busy_units == 1
+    other_go.set()
+    for thread in (o, r):
+        thread.join(5)
+    assert seen == [("decode", 1), ("slice", 2), ("decode", 1)]
+    assert gate.busy_units == 0
+    with step_units(2):  # outside a request: nothing to hold
+        assert gate.busy_units == 0
 
 
 def test_a_request_past_its_deadline_competes_as_fresh_work() -> None:

@@ -43,7 +43,14 @@ from packserve.core.backend import (
     OnText,
     TokenLogprob,
 )
-from packserve.core.compute import TICKET, between_slices, between_tokens, turn, usable_cores
+from packserve.core.compute import (
+    TICKET,
+    between_slices,
+    between_tokens,
+    step_units,
+    turn,
+    usable_cores,
+)
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong, InvalidRequest
@@ -100,12 +107,16 @@ class LlamaCppBackend(Backend):
         if on_gpu and not llama_supports_gpu_offload():
             raise ConfigError(f"{self.name}: device {self.spec.device} asked, but "
                               f"llama-cpp-python was built without GPU support")
-        threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
-        # Prompts and batches decode with as many threads as tokens do: the compute gate lends
-        # the call that many cores. Every core for steps of several tokens (llama-cpp-python's
-        # default) helped four streams on a quiet 2-core box but hurt them while another
-        # process held a core (docs/benchmarks.md, parallel decode): `threads` it is.
         slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
+        threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
+        # A prompt is read on every core (llama-cpp-python's default: 1.7x faster than on one
+        # of two cores, docs/benchmarks.md), the compute gate lending the call that many for
+        # each slice it reads (`_sliced`). With parallel slots every step is several tokens
+        # long: every core helped four streams on a quiet 2-core box but hurt them while
+        # another process held a core (docs/benchmarks.md, parallel decode), so there, and
+        # where the operator sets `threads`, steps of several tokens run `threads` too.
+        batch_threads = threads if self.spec.threads or slots > 1 else max(threads,
+                                                                            usable_cores())
         context = self.spec.context_length
         # Slots sharing one cache: `context` cells for all; a cache per slot: `context` each.
         fields = {} if slots == 1 else {"n_seq_max": slots, "kv_unified": not per_slot}
@@ -120,13 +131,13 @@ class LlamaCppBackend(Backend):
                 main_gpu=int(self.spec.device.partition(":")[2] or 0) if on_gpu else 0,
                 use_mmap=True,
                 n_threads=threads,
-                n_threads_batch=threads,
+                n_threads_batch=batch_threads,
                 flash_attn=slots > 1 and per_slot,  # batch-invariant (llama_batch's doc)
                 verbose=False,
             )
             mapped = _mapped_ranges(self.spec.path) - mapped_before
         self._llm._n_ctx = context  # one sequence's window, for llama-cpp-python's checks
-        self._llm.eval = _sliced(self._llm.eval)
+        self._llm.eval = _sliced(self._llm.eval, batch_threads)
         self._mapped = () if on_gpu else tuple(sorted(mapped))
         self._file = file_identity(self.spec.path)
         self._threads = threads
@@ -592,16 +603,23 @@ def _object(arguments: str) -> object:
         return arguments
 
 
-def _sliced(evaluate: Any) -> Any:
+def _sliced(evaluate: Any, batch_threads: int) -> Any:
     """`Llama.eval` reading its tokens `PROMPT_SLICE` at a time, offering the compute turn
-    between slices. llama-cpp-python's generation calls `self.eval` with the prompt, then with
+    between slices, each slice of several tokens holding `batch_threads` units of it (llama.cpp
+    runs a step of several tokens on `n_threads_batch`, one token on `n_threads`, which the
+    turn holds). llama-cpp-python's generation calls `self.eval` with the prompt, then with
     each new token; consecutive calls are the same as one (it keeps the tokens it has read)."""
 
     def eval_in_slices(tokens: Sequence[int]) -> None:
         for start in range(0, len(tokens), PROMPT_SLICE):
             if start:
                 between_slices()
-            evaluate(tokens[start:start + PROMPT_SLICE])
+            piece = tokens[start:start + PROMPT_SLICE]
+            if len(piece) > 1:
+                with step_units(batch_threads):
+                    evaluate(piece)
+            else:
+                evaluate(piece)
 
     return eval_in_slices
 

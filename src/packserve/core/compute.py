@@ -119,6 +119,29 @@ class ComputeGate:
             self._cond.notify_all()
             self._wait_turn(t, units)
 
+    def hold(self, t: Ticket, units: int) -> None:
+        """Change how many units holder `t` holds (its next step runs more or fewer threads):
+        fewer at once; more once they are free, queueing for them by its deadline. Nothing
+        when `t` holds no turn."""
+        if not self.enabled:
+            return
+        with self._cond:
+            have = self._held.get(t)
+            want = self._units(units)
+            if have is None or have == want:
+                return
+            del self._held[t]
+            self._cond.notify_all()
+            if want < have:
+                self._held[t] = want
+            else:
+                self._wait_turn(t, want)
+
+    def held(self, t: Ticket) -> int:
+        """The units holder `t` holds now (0: none)."""
+        with self._cond:
+            return self._held.get(t, 0)
+
     def _units(self, units: int) -> int:
         return self.capacity if units <= 0 else min(units, self.capacity)
 
@@ -230,6 +253,23 @@ def batch_turn(tickets: Iterable[Ticket | None], units: int = 0) -> Iterator[Non
         yield
     finally:
         t.gate.release(t)
+
+
+@contextlib.contextmanager
+def step_units(units: int) -> Iterator[None]:
+    """Within a held turn, one step that runs `units` threads (a prompt slice read on more
+    threads than the turn's decode): the turn holds that many units for the step, then as
+    many as before. Nothing outside a request or a turn."""
+    t = TICKET.get()
+    before = t.gate.held(t) if t is not None and t.gate.enabled else 0
+    if t is None or not before:
+        yield
+        return
+    t.gate.hold(t, units)
+    try:
+        yield
+    finally:
+        t.gate.hold(t, before)
 
 
 def between_slices() -> None:
