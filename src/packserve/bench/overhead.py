@@ -168,26 +168,34 @@ def run(opts: Options) -> Report:
     # The chat model with parallel slots (opt-in, `parallel`): four streams share its steps.
     config = write_config(opts.out / "work" / "overhead.toml", opts,
                           model_extra={CHAT_MODEL: f"parallel = {CHAT_SLOTS}"})
+    # And one stream as the catalog serves it by default (one sequence at a time, the prompt
+    # read on every core), from a second server that holds only the chat model.
+    plain = write_config(opts.out / "work" / "overhead-plain.toml", opts)
     series: dict[str, list[float]] = {k: [] for k in (
         "api_batch32", "api_batch32_base64", "direct_batch32", "api_single16",
-        "direct_single_batch32", "api_chat1", "direct_chat1", "api_chat4", "direct_chat4")}
+        "direct_single_batch32", "api_chat1", "api_chat1_plain", "direct_chat1", "api_chat4",
+        "direct_chat4")}
     # CPU ms per request of the client, the front, the worker's loop and its engine threads
     cpu: dict[str, list[dict[str, float]]] = {"batch32": [], "single16": [], "chat1": []}
     report = Report("overhead")
     profile: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    steps = rounds * 9 + 2
+    steps = rounds * 10 + 2
     direct = Direct()
     try:
         with progress(opts, "overhead", steps) as advance, run_server(
                 packserve_argv("--config", str(config), "--models",
                                f"{EMBED_MODEL},{CHAT_MODEL}"),
                 log=opts.out / "work" / "overhead-server.log") as server, \
-                server.client() as c:
+                server.client() as c, run_server(
+                    packserve_argv("--config", str(plain), "--models", CHAT_MODEL),
+                    log=opts.out / "work" / "overhead-plain-server.log") as plain_server, \
+                plain_server.client() as plain_c:
             direct.call(op="load_embed", path=str(model_path(EMBED_MODEL, opts)), max_batch=64)
             direct.call(op="load_llama", path=str(model_path(CHAT_MODEL, opts)), n_ctx=N_CTX)
             # Warm both sides: loads, first-call allocations.
             api_embed_batches(c, batches[:1])
             api_chat(c, chat_bodies(1, 4, 0), 1)
+            api_chat(plain_c, chat_bodies(1, 4, 0), 1)
             direct.call(op="embed", batches=batches[:1])
             direct.call(op="chat", requests=chat_bodies(1, 4, 0), concurrency=1)
             advance(2, "warm")
@@ -217,6 +225,8 @@ def run(opts: Options) -> Report:
                 series["api_chat1"].append(api_chat(c, bodies1, 1))
                 cpu["chat1"].append(cpu0.per_request_ms(CpuSnapshot.take(server.pid), n_chat))
                 advance(1, f"round {r + 1}: chat x1 api")
+                series["api_chat1_plain"].append(api_chat(plain_c, bodies1, 1))
+                advance(1, f"round {r + 1}: chat x1 api, no parallel slots")
                 d = direct.call(op="chat", requests=bodies1, concurrency=1)
                 series["direct_chat1"].append(d["tokens"] / d["seconds"])
                 advance(1, f"round {r + 1}: chat x1 direct")
@@ -253,7 +263,8 @@ def run(opts: Options) -> Report:
                                                    med["api_batch32"]),
             "embed_single16_vs_direct_batch32": ratio(med["api_single16"],
                                                       med["direct_single_batch32"]),
-            "chat_1_stream": ratio(med["api_chat1"], med["direct_chat1"]),
+            "chat_1_stream": ratio(med["api_chat1_plain"], med["direct_chat1"]),
+            "chat_1_stream_parallel_slots": ratio(med["api_chat1"], med["direct_chat1"]),
             "chat_4_streams": ratio(med["api_chat4"], med["direct_chat4"]),
             # Parallel decode: four concurrent chats against one stream, both through packserve
             # in the same round (llama-cpp-python alone serves them one after another).
@@ -271,6 +282,8 @@ def run(opts: Options) -> Report:
              rt["embed_single16_vs_direct_batch32"], 0.8, ">="),
         Goal("overhead: chat tokens/s one stream, API / direct", rt["chat_1_stream"], 0.95,
              ">="),
+        Goal(f"overhead: chat tokens/s one stream, API with parallel = {CHAT_SLOTS} / direct",
+             rt["chat_1_stream_parallel_slots"], 0.95, ">="),
         Goal("overhead: chat tokens/s four streams, API / direct (no goal set; >= 0.95 shown)",
              rt["chat_4_streams"], 0.95, ">="),
         Goal("overhead: chat tokens/s four concurrent streams / one stream, API",
