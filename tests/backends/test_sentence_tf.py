@@ -52,28 +52,30 @@ def test_embed_rerank_and_count_tokens_can_overlap(tmp_path: Path) -> None:
 
 
 @pytest.mark.real
-def test_every_forward_pass_of_a_load_runs_on_its_own_thread_with_the_ticket(
+def test_forward_passes_run_on_the_loads_own_one_torch_thread_workers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's OpenMP workers belong to the thread that starts a parallel region: calls from a
-    pool of request threads must still compute on one thread, or each brings a spinning team."""
-    from packserve.core.compute import TICKET, ComputeGate, Ticket
+    pool of request threads must compute on the load's own threads (or each brings a spinning
+    team), each shard of a batch on one of them with one torch thread."""
+    import torch
+
+    from packserve.core.compute import usable_cores
 
     backend = minilm(tmp_path)
-    seen: list[tuple[str, object]] = []
+    seen: list[tuple[str, int, int]] = []
     model = backend._model  # type: ignore[attr-defined]
-    encode = model.encode
+    forward = model.forward
 
-    def recording(*args: object, **kwargs: object) -> object:
-        seen.append((threading.current_thread().name, TICKET.get()))
-        return encode(*args, **kwargs)
+    def recording(features: dict[str, torch.Tensor], **kwargs: object) -> object:
+        seen.append((threading.current_thread().name, torch.get_num_threads(),
+                     len(features["input_ids"])))
+        return forward(features, **kwargs)
 
-    monkeypatch.setattr(model, "encode", recording)
-    gate = ComputeGate("cpu", capacity=2)
+    monkeypatch.setattr(model, "forward", recording)
     try:
         def call(i: int) -> None:
-            TICKET.set(Ticket(gate, "m", deadline=float(i), slo_s=0.5))
             if i % 2:
-                backend.embed([f"sentence {i}"])
+                backend.embed([f"sentence {i}", "another one", "and a third"])
             else:
                 backend.rerank("a query", [f"document {i}"])
 
@@ -81,6 +83,34 @@ def test_every_forward_pass_of_a_load_runs_on_its_own_thread_with_the_ticket(
             list(pool.map(call, range(12)))
     finally:
         backend.unload()
-    assert len(seen) == 12
-    assert {name for name, _ in seen} == {seen[0][0]} and seen[0][0].startswith("packserve-torch")
-    assert all(isinstance(ticket, Ticket) for _, ticket in seen)
+    cores = usable_cores()
+    names = {name for name, _, _ in seen}
+    assert all(name.startswith("packserve-torch") for name in names) and len(names) <= cores
+    assert {threads for _, threads, _ in seen} == {1}
+    # Each call's texts are split in as many shards as there are cores (fewer texts: one each).
+    assert len(seen) == 6 * min(3, cores) + 6 * min(2, cores)
+    assert sum(rows for _, _, rows in seen) == 6 * 3 + 6 * 2
+
+
+@pytest.mark.real
+def test_sharded_passes_give_what_encode_gives(tmp_path: Path) -> None:
+    """The shards (sorted by length, tokenized apart, padded to their own longest) give the
+    vectors and the scores of sentence-transformers' own `encode`, for more texts than one
+    pass takes (max_batch 64)."""
+    import numpy as np
+
+    backend = minilm(tmp_path)
+    model = backend._model  # type: ignore[attr-defined]
+    texts = [("word " * (1 + (i * 7) % 40)).strip() + f" {i}" for i in range(150)]
+    try:
+        got = backend.embed(texts).vectors
+        want = model.encode(texts, batch_size=64, convert_to_numpy=True,
+                            show_progress_bar=False)
+        assert got.dtype == np.float32 and got.shape == want.shape == (150, 384)
+        assert np.abs(got - want).max() < 1e-5
+        scores = backend.rerank(texts[0], texts[1:40]).scores
+        vectors = model.encode(texts[:40], convert_to_numpy=True, normalize_embeddings=True,
+                               show_progress_bar=False)
+        assert np.abs(np.asarray(scores) - vectors[1:] @ vectors[0]).max() < 1e-5
+    finally:
+        backend.unload()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from packserve.core.backend import Backend, Embeddings, LoadSpec, Ranking
-from packserve.core.compute import turn
+from packserve.core.compute import turn, usable_cores
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, InputTooLong
@@ -114,6 +114,8 @@ class _TorchBackend(Backend):
         # Calls into one load are serialised; the embedding batcher merges the waiting ones.
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None
+        self._shards: ThreadPoolExecutor | None = None  # CPU: one-thread forward passes
+        self._workers = 1
 
     def _compute(self, fn: Callable[[], T]) -> T:
         """`fn()` on this load's own thread, the caller waiting. torch's OpenMP workers belong
@@ -125,6 +127,56 @@ class _TorchBackend(Backend):
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-torch")
         return self._thread.submit(contextvars.copy_context().run, fn).result()
+
+    def _encode(self, texts: Sequence[str], normalize: bool = False) -> Any:
+        """The sentence embeddings of `texts` (float32, one row each), as the model's `encode`
+        gives them.
+
+        On a CPU the batch is split into as many shards as there are cores, and each shard's
+        forward pass runs on a thread of its own with one torch thread (torch's threads are
+        per calling thread), the shards at once. A small model gains more from that than from
+        torch's own threads in one pass, whose workers wait for each other at every operator:
+        measured on the 2-core build machine, 1.15x the sentences/s of one 2-thread pass at
+        32 sentences and 1.25x at 8, at half the CPU for one sentence (`packserve bench
+        overhead`, section "Embedding passes in shards" in docs/benchmarks.md). The shards
+        are cut from the texts sorted by length, as `encode` sorts its batches, and tokenized
+        here, on the calling thread: the tokenizer's padding setting is shared state (see
+        __post_init__)."""
+        import numpy as np
+
+        model = self._model
+        if not self.spec.device.startswith("cpu"):
+            return np.asarray(self._compute(lambda: model.encode(
+                list(texts), batch_size=self.spec.max_batch, convert_to_numpy=True,
+                normalize_embeddings=normalize, show_progress_bar=False)), dtype=np.float32)
+        import torch
+        from sentence_transformers.util import truncate_embeddings
+
+        if self._shards is None:
+            self._workers = usable_cores()
+            self._shards = ThreadPoolExecutor(self._workers, thread_name_prefix="packserve-torch",
+                                              initializer=torch.set_num_threads, initargs=(1,))
+        workers = self._workers
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        size = max(1, min(self.spec.max_batch, -(-len(texts) // workers)))
+        prompt = (model.prompts.get(model.default_prompt_name)
+                  if model.default_prompt_name else None)
+        features = [model.preprocess([texts[i] for i in order[start:start + size]],
+                                     prompt=prompt)
+                    for start in range(0, len(texts), size)]
+
+        def forward(batch: dict[str, Any]) -> Any:
+            with torch.inference_mode():
+                out = model(batch)["sentence_embedding"]
+                out = truncate_embeddings(out, model.truncate_dim)
+                if normalize:
+                    out = torch.nn.functional.normalize(out, p=2, dim=1)
+                return out.float().numpy()
+
+        rows = np.concatenate(list(self._shards.map(forward, features)))
+        vectors = np.empty_like(rows)
+        vectors[order] = rows
+        return vectors
 
     def prepare(self) -> None:
         SENTENCE_TRANSFORMERS.prepare()  # torch, transformers: seconds, ~400 MiB
@@ -181,9 +233,10 @@ class _TorchBackend(Backend):
     def unload(self) -> None:
         self._model = None
         self._warm = ()
-        if self._thread is not None:
-            self._thread.shutdown(wait=False)
-            self._thread = None
+        for pool in (self._thread, self._shards):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._thread = self._shards = None
 
     def weight_bytes(self) -> int:
         if self._model is None or self._warm:
@@ -230,9 +283,7 @@ class SentenceTransformerBackend(_TorchBackend):
 
         with self._lock, turn():
             tokens = self._count_tokens(texts, "input")
-            vectors = self._compute(lambda: self._model.encode(
-                list(texts), batch_size=self.spec.max_batch, convert_to_numpy=True,
-                show_progress_bar=False))
+            vectors = self._encode(texts)
             return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
@@ -241,9 +292,7 @@ class SentenceTransformerBackend(_TorchBackend):
         with self._lock, turn():
             tokens = sum(self._count_tokens([query], "query")) + sum(
                 self._count_tokens(documents, "documents"))
-            vectors = self._compute(lambda: self._model.encode(
-                [query, *documents], batch_size=self.spec.max_batch, convert_to_numpy=True,
-                normalize_embeddings=True, show_progress_bar=False))
+            vectors = self._encode([query, *documents], normalize=True)
             scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
             return Ranking(scores=[float(s) for s in scores], tokens=tokens)
 

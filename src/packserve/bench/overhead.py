@@ -111,6 +111,22 @@ async def singles(url: str, texts: list[str], clients: int, path: str = "/v1/emb
         return len(texts) / (time.perf_counter() - t0)
 
 
+def embedding_passes(c: httpx.Client, model: str = EMBED_MODEL) -> tuple[float, float]:
+    """The server's count of embedding forward passes of `model` and their inputs so far (the
+    batcher's histogram in /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"_count": 0.0, "_sum": 0.0}
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        if family.name != "packserve_embedding_batch_inputs":
+            continue
+        for sample in family.samples:
+            suffix = sample.name.removeprefix(family.name)
+            if suffix in found and sample.labels.get("model") == model:
+                found[suffix] += sample.value
+    return found["_count"], found["_sum"]
+
+
 def api_chat(c: httpx.Client, bodies: list[dict[str, Any]], concurrency: int) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -173,13 +189,14 @@ def run(opts: Options) -> Report:
     plain = write_config(opts.out / "work" / "overhead-plain.toml", opts)
     series: dict[str, list[float]] = {k: [] for k in (
         "api_batch32", "api_batch32_base64", "direct_batch32", "api_single16",
-        "direct_single_batch32", "api_chat1", "api_chat1_plain", "direct_chat1", "api_chat4",
-        "direct_chat4")}
+        "direct_single_batch32", "direct_single_at_pass", "api_chat1", "api_chat1_plain",
+        "direct_chat1", "api_chat4", "direct_chat4")}
     # CPU ms per request of the client, the front, the worker's loop and its engine threads
     cpu: dict[str, list[dict[str, float]]] = {"batch32": [], "single16": [], "chat1": []}
+    passes: list[float] = []  # mean inputs per forward pass of the single-sentence clients
     report = Report("overhead")
     profile: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    steps = rounds * 10 + 2
+    steps = rounds * 11 + 2
     direct = Direct()
     try:
         with progress(opts, "overhead", steps) as advance, run_server(
@@ -212,14 +229,24 @@ def run(opts: Options) -> Report:
                 series["direct_batch32"].append(d["items"] / d["seconds"])
                 advance(1, f"round {r + 1}: batch-32 direct")
                 cpu0 = CpuSnapshot.take(server.pid)
+                count0, inputs0 = embedding_passes(c)
                 series["api_single16"].append(asyncio.run(singles(server.url, single_texts, 16)))
                 cpu["single16"].append(cpu0.per_request_ms(CpuSnapshot.take(server.pid),
                                                            n_singles))
+                count1, inputs1 = embedding_passes(c)
+                passes.append((inputs1 - inputs0) / max(1.0, count1 - count0))
                 advance(1, f"round {r + 1}: single x16 api")
                 d = direct.call(op="embed", batches=[single_texts[i:i + 32]
                                                      for i in range(0, n_singles, 32)])
                 series["direct_single_batch32"].append(d["items"] / d["seconds"])
                 advance(1, f"round {r + 1}: same sentences, direct batch-32")
+                # The engine alone at the pass size packserve's batcher reached: what the
+                # passes cost, apart from the HTTP path around them.
+                k = max(1, round(passes[-1]))
+                d = direct.call(op="embed", batches=[single_texts[i:i + k]
+                                                     for i in range(0, n_singles, k)])
+                series["direct_single_at_pass"].append(d["items"] / d["seconds"])
+                advance(1, f"round {r + 1}: same sentences, direct in passes of {k}")
                 bodies1 = chat_bodies(n_chat, max_tokens, 1000 * r)
                 cpu0 = CpuSnapshot.take(server.pid)
                 series["api_chat1"].append(api_chat(c, bodies1, 1))
@@ -251,6 +278,7 @@ def run(opts: Options) -> Report:
                   "max_tokens": max_tokens},
         "units": "embeddings: sentences/s; chat: completion tokens/s",
         "per_round": series, "median": med,
+        "single16_inputs_per_pass": passes,
         # Where the CPU went, per request (medians over rounds): the benchmark's client (on the
         # server's cores; the direct side has none), the front, the worker's event loop, and
         # the worker's other threads (engine calls). `--profile` adds py-spy's top functions.
@@ -263,6 +291,12 @@ def run(opts: Options) -> Report:
                                                    med["api_batch32"]),
             "embed_single16_vs_direct_batch32": ratio(med["api_single16"],
                                                       med["direct_single_batch32"]),
+            # The same gap in two parts: the engine in passes as small as the batcher's, and
+            # the HTTP path around them.
+            "direct_at_pass_vs_batch32": ratio(med["direct_single_at_pass"],
+                                               med["direct_single_batch32"]),
+            "embed_single16_vs_direct_at_pass": ratio(med["api_single16"],
+                                                      med["direct_single_at_pass"]),
             "chat_1_stream": ratio(med["api_chat1_plain"], med["direct_chat1"]),
             "chat_1_stream_parallel_slots": ratio(med["api_chat1"], med["direct_chat1"]),
             "chat_4_streams": ratio(med["api_chat4"], med["direct_chat4"]),
@@ -274,6 +308,12 @@ def run(opts: Options) -> Report:
         },
     }
     rt = report.results["ratios"]
+    if passes and rt["direct_at_pass_vs_batch32"] and rt["embed_single16_vs_direct_at_pass"]:
+        report.notes.append(
+            f"16 single-sentence clients: {median(passes):.1f} inputs per forward pass (median "
+            f"of rounds); the engine alone in passes of that size reaches "
+            f"{rt['direct_at_pass_vs_batch32']:.2f}x its batch-32 throughput, and the API "
+            f"{rt['embed_single16_vs_direct_at_pass']:.2f}x of that")
     report.goals = [
         Goal("overhead: batch-32 embeddings, API / direct", rt["embed_batch32"], 0.95, ">="),
         Goal("overhead: batch-32 embeddings, base64 / float, API",
