@@ -83,3 +83,51 @@ def test_a_bad_input_fails_only_its_own_request() -> None:
     results = asyncio.run(run())
     assert isinstance(results[2], InputTooLong)
     assert all(isinstance(r, Embeddings) for i, r in enumerate(results) if i != 2)
+
+
+class TwoPassEmbedder(CountingEmbedder):
+    """May compute two calls at once; records how many run at the same time."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.running = 0
+        self.most = 0
+        self.both_in = threading.Barrier(2, timeout=30)
+        self._count = threading.Lock()
+
+    def embed_passes(self) -> int:
+        return 2
+
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        with self._count:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            if len(self.calls) < 2:
+                self.both_in.wait()  # the first two passes are in flight together
+            return super().embed(texts)
+        finally:
+            with self._count:
+                self.running -= 1
+
+
+def test_a_model_that_computes_two_calls_at_once_gets_two_passes_in_flight() -> None:
+    async def run() -> TwoPassEmbedder:
+        b = TwoPassEmbedder(LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu",
+                                     context_length=0, max_batch=64))
+        b.release.set()
+        r = Runner(b)
+        batcher = Batchers().for_runner(r)
+        first = asyncio.create_task(batcher.embed(r, ["a"]))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(batcher.embed(r, ["b"]))
+        await asyncio.sleep(0)
+        # Both passes wait for each other in their threads; these queue for the next pass.
+        rest = [asyncio.create_task(batcher.embed(r, ["x" * i])) for i in range(2, 8)]
+        await asyncio.wait_for(asyncio.gather(first, second, *rest), 30)
+        return b
+
+    b = asyncio.run(run())
+    assert b.most == 2
+    assert sorted(len(c) for c in b.calls[:2]) == [1, 1]
+    assert sum(len(c) for c in b.calls) == 8 and len(b.calls) <= 4

@@ -1,9 +1,12 @@
-"""Coalesce concurrent embedding calls on one loaded model into one forward pass.
+"""Coalesce concurrent embedding calls on one loaded model into forward passes.
 
-While a batch runs in a worker thread, new requests queue; the next batch takes all of them
-(up to `max_batch` inputs). Each caller still holds its own lease, so the model cannot be
-evicted under a batch. If a combined batch fails, its requests run one by one so that only the
-request with the bad input gets the error.
+While a model's passes run in worker threads, new requests queue; when a pass ends, the next
+takes all of them (up to `max_batch` inputs). A model may run several passes at once
+(`Runner.embed_passes`: sentence-transformers on a CPU, one per core, each on one thread): its
+passes then overlap, and one pass's clients send their next requests while the others compute.
+Each caller still holds its own lease, so the model cannot be evicted under a batch. If a
+combined batch fails, its requests run one by one so that only the request with the bad input
+gets the error.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ class _Pending:
 
 
 class EmbedBatcher:
-    def __init__(self, max_batch: int, on_pass: OnPass | None = None) -> None:
+    def __init__(self, max_batch: int, on_pass: OnPass | None = None, passes: int = 1) -> None:
         self._max_batch = max_batch
         self._on_pass = on_pass
+        self._passes = max(1, passes)  # passes in flight at most
         self._pending: list[_Pending] = []
-        self._worker: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
 
     async def embed(self, runner: Runner, texts: list[str], model: str = "") -> Embeddings:
         """Embed `texts` on `runner` for a request to `model`; the caller holds a lease on
@@ -44,8 +48,7 @@ class EmbedBatcher:
         future: asyncio.Future[Embeddings] = asyncio.get_running_loop().create_future()
         item = _Pending(runner, model, texts, future, TICKET.get())
         self._pending.append(item)
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
+        self._start()
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -59,8 +62,9 @@ class EmbedBatcher:
                         await item.ran.wait()
             raise
 
-    async def _drain(self) -> None:
-        while self._pending:
+    def _start(self) -> None:
+        """Start passes with what is queued while fewer than `passes` run."""
+        while self._pending and len(self._running) < self._passes:
             batch: list[_Pending] = []
             size = 0
             while self._pending and (not batch or size + len(self._pending[0].texts)
@@ -68,15 +72,24 @@ class EmbedBatcher:
                 item = self._pending.pop(0)
                 batch.append(item)
                 size += len(item.texts)
-            live = [p for p in batch if not p.future.done()]
-            if live and self._on_pass is not None:
-                self._on_pass(live[0].model, sum(len(p.texts) for p in live))
-            try:
-                if live:
-                    await self._run(live)
-            finally:  # also if this task is cancelled: nobody waits for ever
-                for p in batch:
-                    p.ran.set()
+            task = asyncio.create_task(self._pass(batch))
+            self._running.add(task)
+            task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._start()
+
+    async def _pass(self, batch: list[_Pending]) -> None:
+        live = [p for p in batch if not p.future.done()]
+        if live and self._on_pass is not None:
+            self._on_pass(live[0].model, sum(len(p.texts) for p in live))
+        try:
+            if live:
+                await self._run(live)
+        finally:  # also if this task is cancelled: nobody waits for ever
+            for p in batch:
+                p.ran.set()
 
     async def _run(self, batch: list[_Pending]) -> None:
         texts = [t for p in batch for t in p.texts]
@@ -119,6 +132,6 @@ class Batchers:
     def for_runner(self, runner: Runner) -> EmbedBatcher:
         batcher = self._by_runner.get(runner)
         if batcher is None:
-            batcher = EmbedBatcher(runner.max_batch, self._on_pass)
+            batcher = EmbedBatcher(runner.max_batch, self._on_pass, runner.embed_passes)
             self._by_runner[runner] = batcher
         return batcher

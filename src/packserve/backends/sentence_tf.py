@@ -28,6 +28,10 @@ from packserve.types import Task
 # forked into the engine's own thread pool.
 _ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
+# The fewest texts worth a core of their own: on one torch thread MiniLM spent 10.8 ms of CPU
+# per sentence in passes of 4 and 8.7 in passes of 8 (8.1 in passes of 32) on the build machine.
+_MIN_SHARD = 4
+
 # A token is rarely longer than this many characters; longer inputs are refused before the
 # tokenizer sees them, so a megabyte string costs nothing.
 _MAX_CHARS_PER_TOKEN = 32
@@ -111,11 +115,13 @@ class _TorchBackend(Backend):
         # reranker), and it keeps its padding setting as shared state: a call that tokenizes
         # without padding while another thread encodes with it makes that batch fail
         # (huggingface/transformers#47085; `packserve bench soak` found it as rerank 500s).
-        # Calls into one load are serialised; the embedding batcher merges the waiting ones.
+        # Whatever tokenizes is serialised under this lock (on a GPU the whole call); on a CPU
+        # forward passes of several calls then run at once (`_encode`).
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None
         self._shards: ThreadPoolExecutor | None = None  # CPU: one-thread forward passes
         self._workers = 1
+        self._passes = 0  # calls computing now (CPU)
 
     def _compute(self, fn: Callable[[], T]) -> T:
         """`fn()` on this load's own thread, the caller waiting. torch's OpenMP workers belong
@@ -128,42 +134,58 @@ class _TorchBackend(Backend):
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-torch")
         return self._thread.submit(contextvars.copy_context().run, fn).result()
 
-    def _encode(self, texts: Sequence[str], normalize: bool = False) -> Any:
+    def _encode(self, texts: Sequence[str], count: Callable[[], T], normalize: bool = False
+                ) -> tuple[Any, T]:
         """The sentence embeddings of `texts` (float32, one row each), as the model's `encode`
-        gives them.
+        gives them, and `count()`, the texts' tokens, counted (and refused past the model's
+        limit) under the lock first.
 
-        On a CPU the batch is split into as many shards as there are cores, and each shard's
-        forward pass runs on a thread of its own with one torch thread (torch's threads are
-        per calling thread), the shards at once. A small model gains more from that than from
-        torch's own threads in one pass, whose workers wait for each other at every operator:
-        measured on the 2-core build machine, 1.15x the sentences/s of one 2-thread pass at
-        32 sentences and 1.25x at 8, at half the CPU for one sentence (`packserve bench
-        overhead`, section "Embedding passes in shards" in docs/benchmarks.md). The shards
-        are cut from the texts sorted by length, as `encode` sorts its batches, and tokenized
-        here, on the calling thread: the tokenizer's padding setting is shared state (see
-        __post_init__)."""
+        On a CPU a call is cut into shards, and each shard's forward pass runs on a thread of
+        the load's own (one per core) with one torch thread (torch's threads are per calling
+        thread), the shards at once; several calls may compute at once (`embed_passes`), and
+        then each takes fewer shards, so that every core runs one. A small model gains more
+        from that than from torch's own threads in one pass, whose workers wait for each other
+        at every operator (`packserve bench overhead`, section "Embedding passes on one thread
+        each" in docs/benchmarks.md). The shards are cut from the texts sorted by length, as
+        `encode` sorts its batches, and tokenized under the lock: the tokenizer's padding
+        setting is shared state (see __post_init__). Only the forward passes run outside it."""
         import numpy as np
 
         model = self._model
         if not self.spec.device.startswith("cpu"):
-            return np.asarray(self._compute(lambda: model.encode(
-                list(texts), batch_size=self.spec.max_batch, convert_to_numpy=True,
-                normalize_embeddings=normalize, show_progress_bar=False)), dtype=np.float32)
+            with self._lock, turn():
+                tokens = count()
+                return np.asarray(self._compute(lambda: model.encode(
+                    list(texts), batch_size=self.spec.max_batch, convert_to_numpy=True,
+                    normalize_embeddings=normalize, show_progress_bar=False)),
+                    dtype=np.float32), tokens
         import torch
         from sentence_transformers.util import truncate_embeddings
 
-        if self._shards is None:
-            self._workers = usable_cores()
-            self._shards = ThreadPoolExecutor(self._workers, thread_name_prefix="packserve-torch",
-                                              initializer=torch.set_num_threads, initargs=(1,))
-        workers = self._workers
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        size = max(1, min(self.spec.max_batch, -(-len(texts) // workers)))
-        prompt = (model.prompts.get(model.default_prompt_name)
-                  if model.default_prompt_name else None)
-        features = [model.preprocess([texts[i] for i in order[start:start + size]],
-                                     prompt=prompt)
-                    for start in range(0, len(texts), size)]
+        with self._lock:
+            tokens = count()
+            if self._shards is None:
+                self._workers = usable_cores()
+                self._shards = ThreadPoolExecutor(
+                    self._workers, thread_name_prefix="packserve-torch",
+                    initializer=torch.set_num_threads, initargs=(1,))
+            self._passes += 1
+            # Alone, a call takes every core, in shards of at least _MIN_SHARD texts (smaller
+            # ones are not worth a core); beside other calls, its share of the cores.
+            shards = max(1, min(self._workers // self._passes,
+                                -(-len(texts) // _MIN_SHARD)))
+            size = max(1, min(self.spec.max_batch, -(-len(texts) // shards)))
+            order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+            prompt = (model.prompts.get(model.default_prompt_name)
+                      if model.default_prompt_name else None)
+            try:
+                features = [model.preprocess([texts[i] for i in order[at:at + size]],
+                                             prompt=prompt)
+                            for at in range(0, len(texts), size)]
+            except BaseException:
+                self._passes -= 1
+                raise
+            pool = self._shards
 
         def forward(batch: dict[str, Any]) -> Any:
             with torch.inference_mode():
@@ -173,10 +195,18 @@ class _TorchBackend(Backend):
                     out = torch.nn.functional.normalize(out, p=2, dim=1)
                 return out.float().numpy()
 
-        rows = np.concatenate(list(self._shards.map(forward, features)))
+        try:
+            with turn(units=min(len(features), self._workers)):
+                rows = np.concatenate(list(pool.map(forward, features)))
+        finally:
+            with self._lock:
+                self._passes -= 1
         vectors = np.empty_like(rows)
         vectors[order] = rows
-        return vectors
+        return vectors, tokens
+
+    def embed_passes(self) -> int:
+        return usable_cores() if self.spec.device.startswith("cpu") else 1
 
     def prepare(self) -> None:
         SENTENCE_TRANSFORMERS.prepare()  # torch, transformers: seconds, ~400 MiB
@@ -281,20 +311,17 @@ class SentenceTransformerBackend(_TorchBackend):
     def embed(self, texts: Sequence[str]) -> Embeddings:
         import numpy as np
 
-        with self._lock, turn():
-            tokens = self._count_tokens(texts, "input")
-            vectors = self._encode(texts)
-            return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
+        vectors, tokens = self._encode(texts, lambda: self._count_tokens(texts, "input"))
+        return Embeddings(vectors=np.asarray(vectors, dtype=np.float32), tokens=tokens)
 
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         import numpy as np
 
-        with self._lock, turn():
-            tokens = sum(self._count_tokens([query], "query")) + sum(
-                self._count_tokens(documents, "documents"))
-            vectors = self._encode([query, *documents], normalize=True)
-            scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
-            return Ranking(scores=[float(s) for s in scores], tokens=tokens)
+        vectors, tokens = self._encode(
+            [query, *documents], lambda: sum(self._count_tokens([query], "query")) + sum(
+                self._count_tokens(documents, "documents")), normalize=True)
+        scores = np.asarray(vectors[1:], dtype=np.float32) @ np.asarray(vectors[0])
+        return Ranking(scores=[float(s) for s in scores], tokens=tokens)
 
 
 class CrossEncoderBackend(_TorchBackend):

@@ -202,6 +202,11 @@ class Backend:
     def embed(self, texts: Sequence[str]) -> Embeddings:
         raise TaskNotSupported(f"{self.name} cannot embed")
 
+    def embed_passes(self) -> int:
+        """How many `embed` calls may compute at once on this load (the embedding batcher
+        keeps that many passes in flight); 1: one after another."""
+        return 1
+
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         raise TaskNotSupported(f"{self.name} cannot rerank")
 
@@ -247,6 +252,11 @@ class Runner:
     def max_batch(self) -> int:
         """The most inputs one embedding call should take."""
         return self._backend.spec.max_batch
+
+    @property
+    def embed_passes(self) -> int:
+        """How many embedding calls may compute at once (the batcher's passes in flight)."""
+        return self._backend.embed_passes()
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return self._backend.count_tokens(texts)
