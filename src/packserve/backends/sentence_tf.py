@@ -29,7 +29,8 @@ from packserve.types import Task
 _ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # The fewest texts worth a core of their own: on one torch thread MiniLM spent 10.8 ms of CPU
-# per sentence in passes of 4 and 8.7 in passes of 8 (8.1 in passes of 32) on the build machine.
+# per sentence in passes of 4 and 8.7 in passes of 8 (8.1 in passes of 32) on the build machine
+# (by hand, in one process).
 _MIN_SHARD = 4
 
 # A token is rarely longer than this many characters; longer inputs are refused before the
