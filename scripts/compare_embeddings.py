@@ -39,6 +39,8 @@ def main() -> int:
     parser.add_argument("revs", nargs="*", help="git revisions to compare with this checkout")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     here = Path(__file__).resolve().parent.parent
     work = Path(tempfile.mkdtemp(prefix="packserve-embed-"))
     data = Path(os.path.expanduser("~/.cache/packserve"))
@@ -47,21 +49,25 @@ def main() -> int:
     batches = [sentences(32, seed=100 + i) for i in range(16)]
     single = sentences(256, seed=7)
     sources = {}
-    for rev in args.revs:
-        subprocess.run(["git", "-C", str(here), "worktree", "add", "-f", "-q",
-                        str(work / rev), rev], check=True)
-        sources[rev] = str(work / rev / "src")
-    sources["this checkout"] = str(here / "src")
     series: dict[str, list[float]] = {"direct": []}
+    user_path = os.environ.get("PYTHONPATH")
     try:
+        for rev in args.revs:
+            subprocess.run(["git", "-C", str(here), "worktree", "add", "-f", "-q",
+                            str(work / rev), rev], check=True)
+            sources[rev] = str(work / rev / "src")
+        sources["this checkout"] = str(here / "src")
         with contextlib.ExitStack() as stack:
             servers = {}
             for label, src in sources.items():
                 os.environ["PYTHONPATH"] = src  # the server and its worker import this code
                 servers[label] = stack.enter_context(run_server(
                     packserve_argv("--config", str(config), "--models", EMBED_MODEL),
-                    log=work / f"{label.replace(' ', '-')}.log"))
-            os.environ.pop("PYTHONPATH")
+                    health="/readyz", log=work / f"{label.replace(' ', '-')}.log"))
+            if user_path is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = user_path
             clients = {k: stack.enter_context(httpx.Client(base_url=s.url, timeout=300))
                        for k, s in servers.items()}
             direct = Direct()
@@ -81,7 +87,9 @@ def main() -> int:
                         asyncio.run(singles(servers[label].url, single, 16)))
                 print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
     finally:
-        for rev in args.revs:
+        for rev in sources:
+            if rev == "this checkout":
+                continue
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force",
                             str(work / rev)], check=False)
     direct_median = statistics.median(series["direct"])

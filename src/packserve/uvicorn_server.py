@@ -5,12 +5,13 @@
 every packserve process at rest (measured with tracemalloc and PSS) for code that a packserve
 process never runs. Imported before uvicorn, this module puts a stand-in for uvicorn.main in
 `sys.modules`: uvicorn/__init__.py takes `Server` from it (uvicorn.server's own class), and
-`uvicorn.run` and `uvicorn.main` raise. Where uvicorn was imported already (a test process, Ray
-Serve), the real module stays and nothing changes.
+`uvicorn.run` and `uvicorn.main` raise, for the life of the process. Where uvicorn was imported
+already (a test process, Ray Serve), the real module stays and nothing changes.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from typing import Any, NoReturn
@@ -18,6 +19,7 @@ from typing import Any, NoReturn
 
 def _stand_in() -> types.ModuleType:
     module = types.ModuleType("uvicorn.main", "packserve's stand-in: no uvicorn command line")
+    module.__spec__ = importlib.machinery.ModuleSpec("uvicorn.main", None)
 
     def unavailable(*_: Any, **__: Any) -> NoReturn:
         raise RuntimeError("uvicorn's command line is not loaded in a packserve process; "

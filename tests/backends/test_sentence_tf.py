@@ -84,8 +84,22 @@ def test_forward_passes_run_on_the_loads_own_one_torch_thread_workers(
         concurrent = list(seen)
         seen.clear()
         backend.embed([f"sentence number {i}" for i in range(16)])  # alone: every core
+        # A thread that loads after the shard threads set theirs to 1 (torch's default for
+        # every new thread then) computes with torch's own count again.
+        counts: list[int] = []
+
+        def load_thread() -> None:
+            backend.prepare()
+            counts.append(torch.get_num_threads())
+
+        t = threading.Thread(target=load_thread)
+        t.start()
+        t.join(60)
     finally:
         backend.unload()
+    from packserve.backends import sentence_tf
+
+    assert counts == [sentence_tf._torch_threads] and sentence_tf._torch_threads >= 1
     cores = usable_cores()
     names = {name for name, _, _ in [*concurrent, *seen]}
     assert all(name.startswith("packserve-torch") for name in names) and len(names) <= cores

@@ -92,11 +92,14 @@ class EmbedBatcher:
 
     async def _pass(self, batch: list[_Pending]) -> None:
         live = [p for p in batch if not p.future.done()]
-        if live and self._on_pass is not None:
-            self._on_pass(live[0].model, sum(len(p.texts) for p in live))
         try:
+            if live and self._on_pass is not None:
+                self._on_pass(live[0].model, sum(len(p.texts) for p in live))
             if live:
                 await self._run(live)
+        except Exception as exc:  # not the engine's (`_run` settles those): the callers get it
+            for p in live:
+                _settle(p.future, exc)
         finally:  # also if this task is cancelled: nobody waits for ever
             for p in batch:
                 p.ran.set()

@@ -10,7 +10,7 @@ import contextvars
 import json
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,6 +32,19 @@ _ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # per sentence in passes of 4 and 8.7 in passes of 8 (8.1 in passes of 32) on the build machine
 # (by hand, in one process).
 _MIN_SHARD = 4
+
+# torch's own thread count in this process, read at the first prepare, before any shard thread
+# set its own to 1: torch.set_num_threads also sets the default of every thread that runs torch
+# later, so each thread that computes or loads sets its count explicitly.
+_torch_threads = 0
+
+
+def _default_threads() -> None:
+    """Give the calling thread torch's own thread count (what it had before the shards)."""
+    import torch
+
+    if _torch_threads:
+        torch.set_num_threads(_torch_threads)
 
 # A token is rarely longer than this many characters; longer inputs are refused before the
 # tokenizer sees them, so a megabyte string costs nothing.
@@ -116,13 +129,15 @@ class _TorchBackend(Backend):
         # reranker), and it keeps its padding setting as shared state: a call that tokenizes
         # without padding while another thread encodes with it makes that batch fail
         # (huggingface/transformers#47085; `packserve bench soak` found it as rerank 500s).
-        # Whatever tokenizes is serialised under this lock (on a GPU the whole call); on a CPU
-        # forward passes of several calls then run at once (`_encode`).
+        # Whatever tokenizes is serialised under this lock (on a GPU, and for a cross-encoder,
+        # the whole call); a bi-encoder on a CPU then runs the forward passes of several calls
+        # at once (`_encode`).
         self._lock = threading.Lock()
         self._thread: ThreadPoolExecutor | None = None
         self._shards: ThreadPoolExecutor | None = None  # CPU: one-thread forward passes
         self._workers = 1
-        self._passes = 0  # calls computing now (CPU)
+        self._passes = 0  # calls computing now (CPU), under _counting
+        self._counting = threading.Lock()
 
     def _compute(self, fn: Callable[[], T]) -> T:
         """`fn()` on this load's own thread, the caller waiting. torch's OpenMP workers belong
@@ -132,7 +147,8 @@ class _TorchBackend(Backend):
         four busy compute threads for torch's two). The caller's context (its compute ticket)
         goes along."""
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-torch")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="packserve-torch",
+                                              initializer=_default_threads)
         return self._thread.submit(contextvars.copy_context().run, fn).result()
 
     def _encode(self, texts: Sequence[str], count: Callable[[], T], normalize: bool = False
@@ -165,28 +181,32 @@ class _TorchBackend(Backend):
 
         with self._lock:
             tokens = count()
+            if not texts:
+                return np.empty((0, model.get_sentence_embedding_dimension() or 0),
+                                dtype=np.float32), tokens
             if self._shards is None:
                 self._workers = usable_cores()
                 self._shards = ThreadPoolExecutor(
                     self._workers, thread_name_prefix="packserve-torch",
                     initializer=torch.set_num_threads, initargs=(1,))
-            self._passes += 1
-            # Alone, a call takes every core, in shards of at least _MIN_SHARD texts (smaller
-            # ones are not worth a core); beside other calls, its share of the cores.
-            shards = max(1, min(self._workers // self._passes,
-                                -(-len(texts) // _MIN_SHARD)))
-            size = max(1, min(self.spec.max_batch, -(-len(texts) // shards)))
-            order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-            prompt = (model.prompts.get(model.default_prompt_name)
-                      if model.default_prompt_name else None)
+            pool = self._shards
+            with self._counting:
+                self._passes += 1
+                # Alone, a call takes every core, in shards of at least _MIN_SHARD texts
+                # (fewer are not worth a core); beside other calls, its share of the cores.
+                shards = max(1, min(self._workers // self._passes,
+                                    -(-len(texts) // _MIN_SHARD)))
             try:
+                size = max(1, min(self.spec.max_batch, -(-len(texts) // shards)))
+                order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+                prompt = (model.prompts.get(model.default_prompt_name)
+                          if model.default_prompt_name else None)
                 features = [model.preprocess([texts[i] for i in order[at:at + size]],
                                              prompt=prompt)
                             for at in range(0, len(texts), size)]
             except BaseException:
-                self._passes -= 1
+                self._ended_pass()
                 raise
-            pool = self._shards
 
         def forward(batch: dict[str, Any]) -> Any:
             with torch.inference_mode():
@@ -198,19 +218,27 @@ class _TorchBackend(Backend):
 
         try:
             with turn(units=min(len(features), self._workers)):
-                rows = np.concatenate(list(pool.map(forward, features)))
+                futures = [pool.submit(forward, batch) for batch in features]
+                wait(futures)  # every shard, even after one failed: none runs past the turn
+                rows = np.concatenate([f.result() for f in futures])
         finally:
-            with self._lock:
-                self._passes -= 1
+            self._ended_pass()
         vectors = np.empty_like(rows)
         vectors[order] = rows
         return vectors, tokens
 
-    def embed_passes(self) -> int:
-        return usable_cores() if self.spec.device.startswith("cpu") else 1
+    def _ended_pass(self) -> None:
+        with self._counting:
+            self._passes -= 1
 
     def prepare(self) -> None:
+        global _torch_threads
         SENTENCE_TRANSFORMERS.prepare()  # torch, transformers: seconds, ~400 MiB
+        if not _torch_threads:  # before any load's shard threads exist (see _torch_threads)
+            import torch
+
+            _torch_threads = torch.get_num_threads()
+        _default_threads()  # the load and the restore run on the caller's thread
 
     def _check_files(self) -> None:
         path = self.spec.path
@@ -244,6 +272,8 @@ class _TorchBackend(Backend):
         """Warm -> hot: read each module's weights back from its safetensors files (the same
         files, or it raises and the scheduler loads the model anew)."""
         from safetensors import safe_open
+
+        _default_threads()  # a scheduler thread, maybe new since the shard threads
 
         for part in self._warm:
             for file, identity in part.identity.items():
@@ -301,6 +331,9 @@ class _TorchBackend(Backend):
 
 class SentenceTransformerBackend(_TorchBackend):
     """Embeddings, and reranking by bi-encoder cosine similarity (not a cross-encoder)."""
+
+    def embed_passes(self) -> int:
+        return usable_cores() if self.spec.device.startswith("cpu") else 1
 
     def load(self) -> None:
         from sentence_transformers import SentenceTransformer

@@ -116,14 +116,16 @@ def embedding_passes(c: httpx.Client, model: str = EMBED_MODEL) -> tuple[float, 
     batcher's histogram in /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    found = {"_count": 0.0, "_sum": 0.0}
+    found: dict[str, float] = {}
     for family in text_string_to_metric_families(c.get("/metrics").text):
         if family.name != "packserve_embedding_batch_inputs":
             continue
         for sample in family.samples:
             suffix = sample.name.removeprefix(family.name)
-            if suffix in found and sample.labels.get("model") == model:
-                found[suffix] += sample.value
+            if suffix in ("_count", "_sum") and sample.labels.get("model") == model:
+                found[suffix] = found.get(suffix, 0.0) + sample.value
+    if len(found) < 2:  # the front could not read the worker's metrics: no figure, not 0
+        raise RuntimeError(f"/metrics has no packserve_embedding_batch_inputs for {model}")
     return found["_count"], found["_sum"]
 
 
@@ -202,9 +204,11 @@ def run(opts: Options) -> Report:
         with progress(opts, "overhead", steps) as advance, run_server(
                 packserve_argv("--config", str(config), "--models",
                                f"{EMBED_MODEL},{CHAT_MODEL}"),
+                health="/readyz",  # its one-time work done before the second server starts
                 log=opts.out / "work" / "overhead-server.log") as server, \
                 server.client() as c, run_server(
                     packserve_argv("--config", str(plain), "--models", CHAT_MODEL),
+                    health="/readyz",
                     log=opts.out / "work" / "overhead-plain-server.log") as plain_server, \
                 plain_server.client() as plain_c:
             direct.call(op="load_embed", path=str(model_path(EMBED_MODEL, opts)), max_batch=64)
