@@ -59,11 +59,11 @@ class ComputeGate:
     """One device's compute: `capacity` units (a CPU's usable cores; 1 for a GPU), lent to
     requests' engine calls earliest deadline first.
 
-    An engine call asks for as many units as it runs threads (a torch encoder all of them,
-    llama.cpp its decode threads), so two one-thread decodes still run side by side on two
-    cores while an embedding that wants both waits for both to reach a token. The waiter with
-    the earliest deadline is served first and nobody overtakes it, even one that would fit: a
-    large call is never starved by small ones. Thread-safe; engine threads block in `acquire`.
+    An engine call asks for as many units as it runs threads (a sentence-transformers pass
+    one per shard, llama.cpp its decode threads), so two one-thread decodes still run side by
+    side on two cores while an embedding that wants both waits for both to reach a token. The
+    waiter with the earliest deadline is served first and nobody overtakes it, even one that
+    would fit: a large call is never starved by small ones. Thread-safe; engine threads block in `acquire`.
     `enabled=False` lets every call through at once (the engines then share the cores as the
     OS schedules them: packserve 0.11's way).
     """
