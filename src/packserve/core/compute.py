@@ -63,9 +63,9 @@ class ComputeGate:
     one per shard, llama.cpp its decode threads), so two one-thread decodes still run side by
     side on two cores while an embedding that wants both waits for both to reach a token. The
     waiter with the earliest deadline is served first and nobody overtakes it, even one that
-    would fit: a large call is never starved by small ones. Thread-safe; engine threads block in `acquire`.
-    `enabled=False` lets every call through at once (the engines then share the cores as the
-    OS schedules them: packserve 0.11's way).
+    would fit: a large call is never starved by small ones. Thread-safe; engine threads block
+    in `acquire`. `enabled=False` lets every call through at once (the engines then share the
+    cores as the OS schedules them: packserve 0.11's way).
     """
 
     def __init__(self, device: str, *, capacity: int = 1, enabled: bool = True,
