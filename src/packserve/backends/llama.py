@@ -109,8 +109,8 @@ class LlamaCppBackend(Backend):
                               f"llama-cpp-python was built without GPU support")
         slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
         threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
-        # A prompt is read on every core (llama-cpp-python's default: 1.7x faster than on one
-        # of two cores, docs/benchmarks.md), the compute gate lending the call that many for
+        # A prompt is read on every core (llama-cpp-python's default; docs/benchmarks.md,
+        # "Prompts on every core"), the compute gate lending the call that many for
         # each slice it reads (`_sliced`). With parallel slots every step is several tokens
         # long: every core helped four streams on a quiet 2-core box but hurt them while
         # another process held a core (docs/benchmarks.md, parallel decode), so there, and

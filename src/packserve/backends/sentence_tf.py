@@ -158,14 +158,15 @@ class _TorchBackend(Backend):
         limit) under the lock first.
 
         On a CPU a call is cut into shards, and each shard's forward pass runs on a thread of
-        the load's own (one per core) with one torch thread (torch's threads are per calling
-        thread), the shards at once; several calls may compute at once (`embed_passes`), and
-        then each takes fewer shards, so that every core runs one. A small model gains more
-        from that than from torch's own threads in one pass, whose workers wait for each other
-        at every operator (`packserve bench overhead`, section "Embedding passes on one thread
-        each" in docs/benchmarks.md). The shards are cut from the texts sorted by length, as
-        `encode` sorts its batches, and tokenized under the lock: the tokenizer's padding
-        setting is shared state (see __post_init__). Only the forward passes run outside it."""
+        the load's own (one per core) with one torch thread (each thread sets its own count:
+        see `_torch_threads`), the shards at once; several calls may compute at once
+        (`embed_passes`), and then each takes fewer shards, so that every core runs one. A
+        small model gains more from that than from torch's own threads in one pass, whose
+        workers wait for each other at every operator (`scripts/compare_embeddings.py`;
+        docs/benchmarks.md, "Embedding passes on one thread each"). The shards are cut from
+        the texts sorted by length, as `encode` sorts its batches, and tokenized under the
+        lock: the tokenizer's padding setting is shared state (see __post_init__). Only the
+        forward passes run outside it."""
         import numpy as np
 
         model = self._model

@@ -130,12 +130,12 @@ class ComputeGate:
             want = self._units(units)
             if have is None or have == want:
                 return
-            del self._held[t]
-            self._cond.notify_all()
             if want < have:
                 self._held[t] = want
             else:
+                del self._held[t]
                 self._wait_turn(t, want)
+            self._cond.notify_all()
 
     def held(self, t: Ticket) -> int:
         """The units holder `t` holds now (0: none)."""
