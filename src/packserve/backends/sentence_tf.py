@@ -296,8 +296,8 @@ class _TorchBackend(Backend):
         self._model = None
         self._warm = ()
         for pool in (self._thread, self._shards):
-            if pool is not None:
-                pool.shutdown(wait=False)
+            if pool is not None:  # idle (no lease is left): its threads end before the next
+                pool.shutdown(wait=True)  # load is measured, not during it
         self._thread = self._shards = None
 
     def weight_bytes(self) -> int:
