@@ -443,7 +443,7 @@ def harness(
     load_wait_s: float = 120.0, failure_cooldown_s: float = 30.0,
     sleep: Sleeper | None = None,
     victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
-    check_files: bool = False, warm_tier: bool = False,
+    check_files: bool = False, warm_tier: bool = False, load_turn: float = 0.0,
 ) -> Harness:
     """A scheduler over `entries` on one cpu device. Call inside a running event loop.
 
@@ -475,7 +475,7 @@ def harness(
         clock=time.monotonic if real_clock else clock, sinks=(events,),
         sleep=sleep or asyncio.sleep, victim_policy=victim_policy,
         check_files=check_weights if check_files else None,
-        warm_tier={"cpu"} if warm_tier else (),
+        warm_tier={"cpu"} if warm_tier else (), load_turn=load_turn,
     )
     h = Harness(scheduler=scheduler, control=control, events=events, probe=probe, clock=clock,
                 capacity=(budget_mib - headroom_mib) * MIB, built=built, building=building)
@@ -488,9 +488,9 @@ def run(coro: Coroutine[object, object, None]) -> None:
 
 
 async def use(scheduler: Scheduler, name: str, task: Task = Task.EMBED, *,
-              request_id: str = "") -> Runner:
+              request_id: str = "", slo_s: float | None = None) -> Runner:
     """One request: take a lease, return the runner it lent."""
-    async with scheduler.acquire(name, task, request_id=request_id) as lease:
+    async with scheduler.acquire(name, task, request_id=request_id, slo_s=slo_s) as lease:
         assert lease.model == name
         return lease.runner
 

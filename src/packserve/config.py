@@ -103,6 +103,11 @@ class ServerConfig(_Strict):
     # Loads run at this nice value (0-19; 0: as inference), so resident models keep serving
     # while weights are read.
     load_nice: int = Field(default=10, ge=0, le=19)
+    # A load that waits for busy models to finish (to evict them) takes its turn once one of its
+    # requests has waited this fraction of its SLO: requests for those models that arrive then,
+    # due no sooner, wait behind it, each for at most this fraction of its own SLO, so a steady
+    # stream to one model cannot starve another's load (docs/scheduling.md). 0: they go ahead.
+    load_turn: float = Field(default=0.5, ge=0, le=1)
 
     @model_validator(mode="after")
     def _keys_or_localhost(self) -> ServerConfig:

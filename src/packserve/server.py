@@ -151,6 +151,7 @@ def build_scheduler(
         failure_cooldown_s=config.server.failure_cooldown_s,
         victim_policy=victim_policy,
         load_nice=config.server.load_nice,
+        load_turn=config.server.load_turn,
         warm_tier={b.name for b in budgets if config.device_config(b.name).warm_tier},
         sinks=sinks,
         check_files=backends.check_weights,

@@ -138,6 +138,26 @@ def test_a_busy_model_is_never_evicted_the_load_waits_for_it() -> None:
     assert latency(r, 1.0, "b") == pytest.approx(12.0)
 
 
+def test_a_waiting_load_gets_its_turn_when_load_turns_are_on() -> None:
+    """a is asked every 0.9 s and each request takes 1 s, so it is never idle until the
+    stream ends; b's load waits for it. With load turns, once b's request has waited half its
+    4 s SLO (at 3.5), the requests for a that arrive are held (up to half theirs) and a
+    drains."""
+    box = make_box(("a", "chat", 1.0), ("b", "chat", 1.0), capacity=100)
+    trace = requests(*[(0.9 * i, "a") for i in range(7)], (1.5, "b"))
+    off = simulate(box, trace, lru_by_bytes)
+    on = simulate(box, trace, lru_by_bytes, SimOptions(load_turn=0.5))
+    # Off: a serves 1-8 without a gap; b loads 8-9 and serves until 10.
+    assert latency(off, 1.5, "b") == pytest.approx(8.5)
+    # On: a@0, a@0.9, a@1.8 and a@2.7 (before 3.5) serve 1-5; a@3.6 and a@4.5 are held;
+    # b loads 5-6 and serves until 7.
+    assert latency(on, 1.5, "b") == pytest.approx(5.5)
+    assert [x.key for x in on.loads] == ["a", "b", "a"]
+    # Every request is served, and none of a's waits beyond what the hold and b cost it.
+    assert len(on.served) == len(trace)
+    assert all(s.latency_s < float("inf") for s in on.served)
+
+
 def test_a_request_during_an_unload_loads_the_model_again_afterwards() -> None:
     box = make_box(("a", "chat", 1.0), ("b", "chat", 1.0), capacity=100, unload_s=1.0)
     r = simulate(box, requests((0.0, "a"), (2.5, "b"), (3.0, "a")), lru_by_bytes)

@@ -209,6 +209,35 @@ def test_plan_admission_accounting(
         used * MIB, pinned * MIB, busy * MIB)
 
 
+@pytest.mark.parametrize(
+    ("need_mib", "residents", "draining"),
+    [
+        pytest.param(400, [resident("b", 800, in_flight=1)], ("b",), id="the-busy-one"),
+        pytest.param(500, [resident("old", 300, in_flight=1, last_used=1),
+                           resident("new", 300, in_flight=2, last_used=2),
+                           resident("idle", 200, last_used=3)], ("old",),
+                     id="only-those-the-policy-would-evict"),
+        pytest.param(400, [resident("p", 300, pinned=True, in_flight=1),
+                           resident("b", 400, in_flight=1)], ("b",), id="pinned-never"),
+        pytest.param(400, [resident("u", 800, state=State.UNLOADING)], (),
+                     id="unloading-not-busy"),
+        pytest.param(400, [resident("l", 800, state=State.LOADING, in_flight=3)], (),
+                     id="loading-not-drained"),
+    ],
+)
+def test_a_load_waiting_for_busy_models_names_those_it_drains(
+    need_mib: int, residents: list[ResidentView], draining: tuple[str, ...],
+) -> None:
+    answer = plan_admission(cold("t", need_mib), residents, 1000 * MIB)
+    assert (answer.verdict, answer.draining) == (Verdict.WAIT_FOR_BUSY, draining)
+    assert ("wait behind it" in answer.reason) == bool(draining)
+
+
+def test_only_a_waiting_load_drains() -> None:
+    busy = [resident("b", 500, in_flight=1)]
+    assert plan_admission(cold("t", 400), busy, 1000 * MIB).draining == ()  # it fits
+
+
 def test_never_fits_reason_names_model_footprint_budget_and_pins() -> None:
     target = cold("k-chat", 300, models=("chat-small", "complete-small"))
     residents = [

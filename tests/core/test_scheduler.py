@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from tests.factories import (
     MIB,
     TIMEOUT,
     FakeProbe,
+    Harness,
+    Hold,
     backend_of,
     drain,
     entry,
@@ -166,6 +169,148 @@ def test_load_waiting_on_a_busy_model_times_out_with_503() -> None:
         await holder.release()
         await use(s, "b")  # memory frees up once the lease ends
         assert (h.state("a"), h.state("b")) == (State.COLD, State.HOT)
+        await s.close()
+
+    run(body())
+
+
+async def _b_waits_for_busy_a(load_turn: float, b_slo_s: float, *, real_clock: bool = False
+                              ) -> tuple[Harness, Hold, asyncio.Task[object]]:
+    """a holds a lease; b's load, which must evict a, waits for it with a request due in
+    `b_slo_s`."""
+    h = harness([entry("a"), entry("b")], budget_mib=150, load_turn=load_turn,
+                real_clock=real_clock)
+    holder = await hold(h.scheduler, "a")
+    b: asyncio.Task[object] = asyncio.create_task(use(h.scheduler, "b", slo_s=b_slo_s))
+    await drain()
+    assert h.scheduler.plan("b").verdict is Verdict.WAIT_FOR_BUSY
+    return h, holder, b
+
+
+def test_a_waiting_load_gets_its_turn_before_later_requests_for_the_busy_model() -> None:
+    """a is busy when b's load must evict it: a request for a that arrives afterwards waits
+    behind b's load instead of keeping a busy for ever."""
+    async def body() -> None:
+        h, holder, b = await _b_waits_for_busy_a(0.5, 4.0)
+        s = h.scheduler
+        plan = s.plan("b")
+        assert "new requests for a wait behind it" in plan.reason
+        assert plan.draining == ("a",)
+        await asyncio.wait_for(use(s, "a", slo_s=60.0), TIMEOUT)  # b is not at risk yet: a goes
+        h.clock.advance(2.0)  # b's request has waited half its SLO: b's load takes its turn
+
+        later = asyncio.create_task(use(s, "a", slo_s=60.0))
+        await drain()
+        assert not later.done()  # held behind b's load: a is HOT, it would be served at once
+        await holder.release()
+        await asyncio.wait_for(asyncio.gather(b, later), TIMEOUT)
+        # b loaded once a drained; the later request for a then brought a back.
+        assert h.events.names(LoadEvent) == ["a", "b", "a"]
+        assert h.events.names(EvictEvent) == ["a", "b"]
+        await s.close()
+
+    run(body())
+
+
+def test_without_load_turns_later_requests_for_the_busy_model_go_first() -> None:
+    async def body() -> None:
+        h, holder, b = await _b_waits_for_busy_a(0.0, 4.0)
+        s = h.scheduler
+        await asyncio.wait_for(use(s, "a", slo_s=60.0), TIMEOUT)  # a goes ahead of b's load
+        assert h.events.names(LoadEvent) == ["a"]
+        await holder.release()
+        await asyncio.wait_for(b, TIMEOUT)
+        assert h.events.names(LoadEvent) == ["a", "b"]
+        await s.close()
+
+    run(body())
+
+
+def test_a_held_request_waits_at_most_its_share_of_its_slo() -> None:
+    """b's load waits for a long request on a; a request for a that cannot afford to wait that
+    long goes ahead after load_turn x its SLO."""
+    async def body() -> None:
+        h, holder, b = await _b_waits_for_busy_a(0.5, 0.01, real_clock=True)
+        s = h.scheduler
+        await asyncio.sleep(0.01)  # b's request is past half its SLO
+        t0 = time.monotonic()
+        await asyncio.wait_for(use(s, "a", slo_s=0.1), TIMEOUT)  # held 0.05 s, then served
+        assert 0.05 <= time.monotonic() - t0 < TIMEOUT
+        assert h.events.names(LoadEvent) == ["a"]
+        assert not b.done()
+        await holder.release()
+        await asyncio.wait_for(b, TIMEOUT)
+        await s.close()
+
+    run(body())
+
+
+def test_a_request_due_before_the_waiting_load_goes_first() -> None:
+    """Earliest deadline first: b's load serves a request due in 60 s and is at risk after 30;
+    then a request for a due in 1 s is not held behind it, and one due in 120 s is."""
+    async def body() -> None:
+        h, holder, b = await _b_waits_for_busy_a(0.5, 60.0)
+        s = h.scheduler
+        h.clock.advance(30.0)
+        await asyncio.wait_for(use(s, "a", slo_s=1.0), TIMEOUT)
+        later = asyncio.create_task(use(s, "a", slo_s=120.0))
+        await drain()
+        assert not later.done()
+        assert h.events.names(LoadEvent) == ["a"]
+        await holder.release()
+        await asyncio.wait_for(asyncio.gather(b, later), TIMEOUT)
+        assert h.events.names(LoadEvent) == ["a", "b", "a"]
+        await s.close()
+
+    run(body())
+
+
+def test_a_failed_load_leaves_no_turn_behind_for_the_next_one() -> None:
+    """A request refused during a failure's cooldown never joined a load: the next load of that
+    model is not at risk from the refused request's deadline."""
+    async def body() -> None:
+        h = harness([entry("a"), entry("b")], budget_mib=150, load_turn=0.5,
+                    failure_cooldown_s=10.0)
+        s = h.scheduler
+        h.control.fail_next = 1
+        h.control.failure = lambda name: RuntimeError(f"{name}: unsupported architecture")
+        with pytest.raises(ModelUnavailable):
+            await use(s, "b", slo_s=1.0)  # the load fails: b is FAILED for 10 s
+        with pytest.raises(ModelUnavailable):
+            await use(s, "b", slo_s=1.0)  # refused in the cooldown
+        h.clock.advance(20.0)
+        holder = await hold(s, "a")
+        b = asyncio.create_task(use(s, "b", slo_s=60.0))  # at risk only 30 s from now
+        await drain()
+        await asyncio.wait_for(use(s, "a", slo_s=60.0), TIMEOUT)  # not held
+        await holder.release()
+        await asyncio.wait_for(b, TIMEOUT)
+        await s.close()
+
+    run(body())
+
+
+def test_a_request_cancelled_while_held_gives_its_slot_back() -> None:
+    async def body() -> None:
+        h = harness([entry("a"), entry("b", max_concurrency=2)], budget_mib=150,
+                    load_turn=0.5)
+        s = h.scheduler
+        holder = await hold(s, "b")
+        a = asyncio.create_task(use(s, "a", slo_s=1.0))  # a's load waits for b
+        await drain()
+        h.clock.advance(0.5)
+        later = asyncio.create_task(use(s, "b", slo_s=60.0))  # takes b's second slot, held
+        await drain()
+        assert not later.done()
+        later.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await later
+        third = asyncio.create_task(use(s, "b", slo_s=60.0))
+        await drain()
+        assert h.status("b").queued == 0  # it has the slot that `later` gave back, and waits
+        await holder.release()
+        await asyncio.wait_for(asyncio.gather(a, third), TIMEOUT)
+        assert h.events.names(LoadEvent) == ["b", "a", "b"]
         await s.close()
 
     run(body())

@@ -66,13 +66,14 @@ class Services:
         if caller is not None:
             self.limits.admit(caller)  # RateLimited (429) before the request takes a slot
         used = 0
+        slo_s = spec.slo_s or self.slo.of(task)
         try:
             async with self.scheduler.acquire(
                     model, task, request_id=REQUEST_ID.get(),
                     key=caller.name if caller else "",
-                    weight=caller.weight if caller else 1.0) as lease:
+                    weight=caller.weight if caller else 1.0, slo_s=slo_s) as lease:
                 gate = self.gates.of(lease.runner.device)
-                ticket = gate.ticket(model, spec.slo_s or self.slo.of(task), arrived)
+                ticket = gate.ticket(model, slo_s, arrived)
                 token = TICKET.set(ticket)  # travels into the engine's worker thread
                 try:
                     await _check_input_tokens(lease, spec, inputs)

@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="trace, pool: random seed")
     parser.add_argument("--policies", help="trace: which victim policies to run, of "
                         "cost,lru,ray,ollama (default all four; --quick: cost,lru) and "
-                        "cost_priority (packserve's with compute priority on)")
+                        "cost_priority (packserve's with compute priority on), "
+                        "cost_no_turn (packserve's without load turns)")
     parser.add_argument("--repeat", type=int, help="trace: runs per policy; the tables show "
                         "the median run (default 1)")
     parser.add_argument("--slo", default="embed=0.5,rerank=0.5,chat=4,complete=4",

@@ -32,6 +32,9 @@ happened. What it mirrors of `core.scheduler` (`_admit_and_load`, `acquire`, `_t
 Two holds that the real scheduler does not have, to try in the simulator only: a minimum
 residency after a load, and a grace after a resident's last request (so that a burst for it is
 served before a cold model takes its place). A held resident counts as busy for the policy.
+And one it has (`load_turn`): while a load waits for busy models, the requests that arrive for
+those the policy would evict were they idle (`Admission.draining`), due no earlier than the
+load's earliest, wait behind it, each at most `load_turn` of its SLO.
 """
 
 from __future__ import annotations
@@ -132,6 +135,11 @@ class SimOptions:
     rate_window: int = RATE_WINDOW  # arrivals each resident keeps for `arrival_rate`
     wait_holds_lock: bool = False  # as the scheduler did before commit 10c4f0f: a load that
     # waits for busy models keeps the device lock, and every later load waits behind it
+    # A load waiting for busy models holds the requests that arrive for them afterwards, each
+    # for at most this fraction of its task's SLO (the server's `load_turn`; 0: off).
+    load_turn: float = 0.0
+    slo_s: tuple[tuple[str, float], ...] = (("embed", 0.5), ("rerank", 0.5), ("chat", 4.0),
+                                            ("complete", 4.0))
 
 
 class SimClock:
@@ -261,6 +269,8 @@ class _Res:
     warm: bool = False  # a copy waits in host RAM
     warm_since: float = 0.0
     fresh: bool = False  # loaded from disk, no request served yet
+    turn: _Res | None = None  # a load waits for it to drain: new requests are parked
+    parked: list[tuple[float, _Req]] = field(default_factory=list)  # (held until, request)
 
     @property
     def in_flight(self) -> int:
@@ -380,11 +390,31 @@ class _Sim:
         m = self.model[t.model]
         r = self.res[m.weights]
         r.arrivals.append(self.clock.now)
-        r.queue.append(_Req(t.at, t.model, m.task, m.service.seconds(t.words, t.max_tokens)))
+        req = _Req(t.at, t.model, m.task, m.service.seconds(t.words, t.max_tokens))
+        slo = dict(self.opt.slo_s)
+        waiting = r.turn.queue if r.turn is not None else ()
+        due = min((q.at + slo.get(q.task, 4.0) for q in waiting), default=math.inf)
+        at_risk = min((q.at + self.opt.load_turn * slo.get(q.task, 4.0) for q in waiting),
+                      default=math.inf)
+        if self.clock.now >= at_risk and self.clock.now + slo.get(m.task, 4.0) >= due:
+            # behind a load that waits for it, one of whose requests has waited load_turn of
+            # its SLO, and that serves requests due no later, as `acquire`
+            until = self.clock.now + self.opt.load_turn * slo.get(m.task, 4.0)
+            r.parked.append((until, req))
+            self._hold(until)
+            return
+        r.queue.append(req)
+        self._take(r)
+
+    def _take(self, r: _Res, admit: bool = True) -> None:
+        """Queued requests on `r`: serve them if it is hot, queue its load if it is cold (and
+        plan at once unless the caller is about to, or is planning now)."""
+        if not r.queue:
+            return
         if r.state is State.HOT:
             self._serve(r)
         elif r.state is State.COLD:
-            self._want(r)
+            self._want(r, admit)
         # ADMITTING, LOADING: served once hot; UNLOADING: loaded again once it has left
 
     def _serve(self, r: _Res) -> None:
@@ -440,14 +470,21 @@ class _Sim:
 
     # -------------------------------------------------------------------- residency
 
-    def _want(self, r: _Res) -> None:
+    def _want(self, r: _Res, admit: bool = True) -> None:
         r.state = State.ADMITTING
         self.lock.append(r)
-        self._admit()
+        if admit:
+            self._admit()
 
     def _changed(self) -> None:
         """Memory may have changed (a request, a load or an unload ended; a hold expired): the
         loads waiting for busy models queue for the lock again, as `_wait_memory` wakes them."""
+        for r in self.res.values():  # parked requests whose share of their SLO is spent
+            due = [q for until, q in r.parked if until <= self.clock.now]
+            if due:
+                r.parked = [(u, q) for u, q in r.parked if u > self.clock.now]
+                r.queue.extend(due)
+                self._take(r, admit=False)
         self.lock.extend(self.waiting)
         self.waiting.clear()
         self._admit()
@@ -459,12 +496,14 @@ class _Sim:
             target = self.lock[0]
             views, hold_until = self._views(target)
             plan = plan_admission(self._view(target, 0), views, self.box.capacity_bytes,
-                                  self.policy)
+                                  self.policy, turns=self.opt.load_turn > 0)
             if plan.verdict is Verdict.NEVER_FITS:
                 self.lock.popleft()
+                self._end_turns(target)
                 target.state = State.COLD  # its requests stay queued: never served
                 continue
             if plan.verdict is Verdict.WAIT_FOR_BUSY:
+                self._end_turns(target, keep=plan.draining if self.opt.load_turn > 0 else ())
                 if self.opt.wait_holds_lock:
                     self._hold(hold_until)
                     return
@@ -475,6 +514,7 @@ class _Sim:
                 self._evict(self.res[plan.victims[0]])
                 return
             target.state = State.LOADING
+            self._end_turns(target)
             held = sum(r.w.bytes for r in self.res.values()
                        if r.state in (State.LOADING, State.HOT, State.UNLOADING))
             self.out.peak_bytes = max(self.out.peak_bytes, held)
@@ -486,6 +526,17 @@ class _Sim:
             self.mover = _Job(kind, target, seconds, self.clock.now, [])
             self._start(self.mover)
             return
+
+    def _end_turns(self, target: _Res, keep: Sequence[str] = ()) -> None:
+        """`target`'s load holds the requests of `keep` from now on and lets the others go."""
+        for r in self.res.values():
+            if r.w.key in keep and r.turn is None:
+                r.turn = target
+            elif r.turn is target and r.w.key not in keep:
+                r.turn = None
+                r.queue.extend(q for _, q in r.parked)
+                r.parked = []
+                self._take(r, admit=False)
 
     def _hold(self, until: float) -> None:
         """Plan again when a hold ends (inf: none)."""

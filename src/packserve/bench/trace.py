@@ -203,6 +203,7 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
     return {
         "cost": ("packserve (cost-aware)", "cost"),
         "cost_priority": ("packserve (cost-aware, compute priority on)", "cost"),
+        "cost_no_turn": ("packserve (cost-aware, no load turns)", "cost"),
         "lru": ("packserve 0.11 (LRU by bytes)", "lru_by_bytes"),
         "ray": (f"Ray Serve rule (LRU, max {max_models} models)", f"lru_by_count:{max_models}"),
         "ollama": ("Ollama rule (shortest keep-alive first)",
@@ -210,10 +211,12 @@ def _policy_spec(name: str, max_models: int) -> tuple[str, str]:
     }[name]
 
 
-POLICIES = ("cost", "lru", "ray", "ollama")  # the default set; also cost_priority
-# Only packserve's own rule keeps evicted models warm: the peers' rules (and packserve 0.11's)
-# unload them, as those engines do.
-WARM = frozenset({"cost", "cost_priority"})
+POLICIES = ("cost", "lru", "ray", "ollama")  # the default set; also these variants:
+VARIANTS = ("cost_priority", "cost_no_turn")
+# Only packserve's own rule keeps evicted models warm and gives a waiting load its turn: the
+# peers' rules (and packserve 0.11's) unload them and let requests for a busy model go first
+# (warm_tier = false, load_turn = 0), as those engines do.
+WARM = frozenset({"cost", *VARIANTS})
 
 
 def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
@@ -278,10 +281,10 @@ def run(opts: Options) -> Report:
     repeat = max(1, int(x.get("repeat", 1)))
     # --quick: packserve's rule against its predecessor only, to keep it short.
     chosen = x.get("policies", "cost,lru" if opts.quick else ",".join(POLICIES)).split(",")
-    unknown = [p for p in chosen if p not in (*POLICIES, "cost_priority")]
+    unknown = [p for p in chosen if p not in (*POLICIES, *VARIANTS)]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}, "
-                         f"cost_priority")
+        raise ValueError(f"unknown policies {unknown}; choose from "
+                         f"{', '.join((*POLICIES, *VARIANTS))}")
     slo = {k: float(v) for k, v in (p.split("=") for p in
                                     x.get("slo", "embed=0.5,rerank=0.5,chat=4,complete=4")
                                     .split(","))}
@@ -294,7 +297,7 @@ def run(opts: Options) -> Report:
                           headroom=str(HEADROOM))
     cold_config = write_config(work / "trace-no-warm.toml", opts,
                                memory_budget=str(capacity + HEADROOM), headroom=str(HEADROOM),
-                               device_extra="warm_tier = false")
+                               device_extra="warm_tier = false", server_extra="load_turn = 0")
     max_models = max(1, capacity // max(sizes.values()))
     trace = make_trace(seed=seed, duration_s=duration, rate=rate, alpha=alpha, cv=cv)
     # Which weights a catalog name uses: shared weights are loaded, counted and drawn once.
@@ -314,6 +317,10 @@ def run(opts: Options) -> Report:
                 used = write_config(work / "trace-priority.toml", opts,
                                     memory_budget=str(capacity + HEADROOM),
                                     headroom=str(HEADROOM), server_extra="compute_priority = true")
+            if name == "cost_no_turn":  # requests for a busy model go ahead of a waiting load
+                used = write_config(work / "trace-no-turn.toml", opts,
+                                    memory_budget=str(capacity + HEADROOM),
+                                    headroom=str(HEADROOM), server_extra="load_turn = 0")
             runs = [_one_run(opts, used, spec, trace, slo, keys,
                              work / f"trace-{name}-{i + 1}.log", advance)
                     for i in range(repeat)]
@@ -358,8 +365,9 @@ def run(opts: Options) -> Report:
         + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sizes.items())
         + f"; {len(trace)} requests, seed {seed}, rate {rate}/s, Zipf alpha {alpha}, CV {cv}; "
         f"{repeat} run(s) per policy, the median shown; packserve's rule keeps evicted models "
-        f"warm (its default), the others unload them (warm_tier = false); reload s and MiB "
-        f"loaded count restores too")
+        f"warm and gives a load waiting for busy models its turn (its defaults), the others "
+        f"unload them and let requests for busy models go first (warm_tier = false, "
+        f"load_turn = 0); reload s and MiB loaded count restores too")
     report.notes.append(
         "Belady and LRU offline: the trace's requests served one at a time in arrival order "
         "(no timing); a real server that lets requests for a resident model go first while a "

@@ -106,6 +106,9 @@ class Admission:
     reason: str
     # The victims go to cold even where they could stay warm: warm copies would not leave room.
     to_cold: bool = False
+    # WAIT_FOR_BUSY: the busy models it waits for, those the policy would evict were they idle.
+    # The scheduler holds requests that arrive for them afterwards, so that they drain.
+    draining: tuple[str, ...] = ()
 
 
 VictimOrder = Callable[[ResidentView], tuple[float, ...]]
@@ -316,9 +319,11 @@ def make_policy(name: str, horizon_s: float = DEFAULT_HORIZON_S) -> VictimPolicy
 
 def plan_admission(
     target: ResidentView, residents: Sequence[ResidentView], capacity_bytes: int,
-    policy: VictimPolicy = lru_by_bytes,
+    policy: VictimPolicy = lru_by_bytes, *, turns: bool = True,
 ) -> Admission:
-    """Decide how `target` gets onto its device. `residents` are the others on that device."""
+    """Decide how `target` gets onto its device. `residents` are the others on that device.
+    With `turns` (the scheduler's `load_turn` > 0), a load that must wait for busy models
+    names those it drains."""
     others = [r for r in residents if r.key != target.key and r.device == target.device]
     # A warm target already holds part of what it needs: its engine objects.
     used = sum(r.held for r in others) + (target.held if target.state is not State.HOT else 0)
@@ -332,12 +337,13 @@ def plan_admission(
     if target.state is not State.HOT and target.held:
         needs += f" (its warm copy holds {format_bytes(target.held)} of it)"
 
-    def answer(verdict: Verdict, victims: tuple[str, ...], reason: str) -> Admission:
+    def answer(verdict: Verdict, victims: tuple[str, ...], reason: str,
+               draining: tuple[str, ...] = ()) -> Admission:
         return Admission(
             target=target.key, device=target.device, verdict=verdict,
             need_bytes=target.bytes, capacity_bytes=capacity_bytes, used_bytes=used,
             pinned_bytes=pinned, busy_bytes=busy, victims=victims, reason=reason,
-            to_cold=to_cold,
+            to_cold=to_cold, draining=draining,
         )
 
     if target.state is State.HOT:
@@ -356,11 +362,17 @@ def plan_admission(
         victims = policy(others, target.bytes - target.held, free)
         to_cold = victims is not None
     if victims is None:
+        draining = _draining(others, target.bytes - target.held, free, policy) if turns else ()
+        by_key = {r.key: r for r in others}
+        drained = ""
+        if draining:
+            drained = (f"; once its own requests are at risk of missing their SLO, new requests "
+                       f"for {', '.join(_label(by_key[k]) for k in draining)} wait behind it")
         return answer(Verdict.WAIT_FOR_BUSY, (), (
             f"{needs}; {format_bytes(free)} is free "
             f"and models with requests in flight hold {format_bytes(busy)}; it loads when they "
-            f"finish"
-        ))
+            f"finish{drained}"
+        ), draining)
     if not victims:
         return answer(Verdict.FITS, (), (
             f"{needs} and {format_bytes(free)} is free"
@@ -375,6 +387,23 @@ def plan_admission(
         f"{needs} and {format_bytes(free)} is free; "
         f"evicting {named} makes room"
     ))
+
+
+def _draining(others: Sequence[ResidentView], need_bytes: int, free_bytes: int,
+              policy: VictimPolicy) -> tuple[str, ...]:
+    """The busy residents that `policy` would evict, with the others it names, were every
+    busy hot one idle: the ones a waiting load waits for. () if that would not make room
+    either (the load then waits for something else: a load or an unload to finish)."""
+    busy = {r.key for r in others
+            if r.state is State.HOT and not r.pinned and r.in_flight > 0}
+    if not busy:
+        return ()
+    idle = [replace(r, in_flight=0) if r.key in busy else r for r in others]
+    victims = policy(idle, need_bytes, free_bytes)
+    if victims is None:
+        idle = [replace(r, goes_warm=False) for r in idle]
+        victims = policy(idle, need_bytes, free_bytes)
+    return tuple(k for k in victims or () if k in busy)
 
 
 def pins_fit(pinned: Sequence[ResidentView], capacity_bytes: int) -> str | None:

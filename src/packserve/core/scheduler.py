@@ -32,6 +32,12 @@ Invariants (all state lives on the event loop thread; only backend calls run in 
 - Weights leave a device only through `_to_cold` (which also makes warm copies).
 - Lock order: a model's quota slot is taken before the device lock; nothing holds a device lock
   while waiting for a quota slot.
+- A load's turn: once a load that waits for busy models to finish (WAIT_FOR_BUSY) has kept one
+  of its requests waiting `load_turn` of its SLO, requests that arrive for those models and are
+  due no earlier than its earliest wait behind it (`res.turn`, `res.due`; each at most `load_turn`
+  of its own SLO), so that they drain and the load is not starved by a steady stream to the
+  model it must evict. Held requests hold a quota slot but no lease, so they never keep their
+  model busy.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -242,6 +249,16 @@ def is_memory_failure(exc: BaseException) -> bool:
 
 
 @dataclass(eq=False)
+class _Turn:
+    """A load waits for this busy resident: requests for it that arrive from `since` on wait
+    for `done` (set when the load is admitted or gives up)."""
+
+    load: _Resident  # the waiting load's resident
+    since: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
 class _Resident:
     load: LoadSpec
     models: list[str]  # the catalog names that use these weights now
@@ -274,6 +291,10 @@ class _Resident:
     warmable: bool | None = None
     restore_seconds: float | None = None
     unloading_bytes: int | None = None  # while UNLOADING: a warm copy holds less than `bytes`
+    turn: _Turn | None = None  # a load waits for it to drain (see the module's invariants)
+    due: float = math.inf  # the earliest deadline of the requests its load (if any) serves
+    at_risk: float = math.inf  # when that request will have waited `load_turn` of its SLO
+    holding: dict[str, _Turn] = field(default_factory=dict)  # while its load waits: whom it drains
 
     @property
     def key(self) -> str:
@@ -416,6 +437,7 @@ class Scheduler:
         sinks: Sequence[EventSink] = (log_event,),
         load_nice: int = 0,
         warm_tier: Iterable[str] = (),
+        load_turn: float = 0.0,
     ) -> None:
         self._factory = factory
         self._probe = probe
@@ -436,6 +458,10 @@ class Scheduler:
         self._check_files = check_files  # before every load; the server checks headers
         # Devices whose evictions keep an engine's objects and give back only its weights.
         self._warm_tier = frozenset(warm_tier)
+        # A load waiting for busy models takes its turn once one of its requests has waited this
+        # fraction of its SLO, and holds their new requests, each for at most this fraction of
+        # its own (0: they go ahead; `acquire` without an SLO counts `load_wait_s` as one).
+        self._load_turn = load_turn
         self._sinks = list(sinks)
         self._devices = {d.name: d for d in devices}
         self._residents: dict[str, _Resident] = {}
@@ -512,10 +538,13 @@ class Scheduler:
 
     @contextlib.asynccontextmanager
     async def acquire(self, name: str, task: Task, *, request_id: str = "",
-                      key: str = "", weight: float = 1.0) -> AsyncIterator[Lease]:
+                      key: str = "", weight: float = 1.0,
+                      slo_s: float | None = None) -> AsyncIterator[Lease]:
         """Lend `name` for one request: quota slot, then load if needed. Raises PackserveError.
         `request_id` and `key` (the caller's API key name) travel in the request's events;
-        requests waiting for a slot are served fairly between keys, by `weight`.
+        requests waiting for a slot are served fairly between keys, by `weight`. A request for
+        a model that a waiting load must evict waits behind that load, at most `load_turn` of
+        its `slo_s`.
 
         A caller cancelled while it waits or holds the lease (its client went away) is counted
         with status 499, outcome "client_closed"; the load it may have started goes on if the
@@ -532,6 +561,11 @@ class Scheduler:
         res.arrivals.append(t_enter)
         try:
             await self._take_slot(model, key, weight)
+            try:
+                await self._wait_turn(res, t_enter, slo_s)
+            except BaseException:
+                self._give_slot(model)
+                raise
         except (QueueFull, asyncio.CancelledError) as exc:
             status, outcome = _outcome(exc)
             self._emit(RequestEvent(
@@ -546,7 +580,8 @@ class Scheduler:
         status, outcome = 200, "ok"
         lease: Lease | None = None
         try:
-            await self._ensure_hot(res)
+            due = self._deadline(t_enter, slo_s)
+            await self._ensure_hot(res, due=(due, t_enter + self._load_turn * (due - t_enter)))
             t_ready = self._clock()
             assert res.runner is not None
             lease = Lease(model=name, task=task, runner=res.runner)
@@ -594,6 +629,46 @@ class Scheduler:
                 self._give_slot(model)  # the slot was handed to us as we were cancelled
             raise
 
+    def _deadline(self, t_enter: float, slo_s: float | None) -> float:
+        return t_enter + (self._load_wait_s if slo_s is None else slo_s)
+
+    async def _wait_turn(self, res: _Resident, t_enter: float, slo_s: float | None) -> None:
+        """Wait while a load waits for `res` to drain that began waiting before this request
+        came, has kept one of its requests waiting `load_turn` of its SLO, and serves requests
+        due before this one (earliest deadline first, as compute)."""
+        turn = res.turn
+        if (turn is None or t_enter < turn.since or self._load_turn <= 0
+                or t_enter < turn.load.at_risk or self._deadline(t_enter, slo_s) < turn.load.due):
+            return
+        limit = self._load_turn * (self._load_wait_s if slo_s is None else slo_s)
+        log.debug("request for %s waits up to %.2fs behind the load of %s", res.label, limit,
+                  turn.load.label)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(limit):
+                await turn.done.wait()
+
+    def _hold(self, res: _Resident, keys: Sequence[str]) -> None:
+        """`res`'s load waits for `keys` to drain: later requests for them wait behind it."""
+        if self._load_turn <= 0:
+            keys = ()
+        for key in [k for k in res.holding if k not in keys]:
+            self._end_turn(key, res.holding.pop(key))
+        now = self._clock()
+        for key in keys:
+            other = self._residents.get(key)
+            if other is not None and other.turn is None:
+                other.turn = res.holding[key] = _Turn(load=res, since=now)
+
+    def _release_holds(self, res: _Resident) -> None:
+        while res.holding:
+            self._end_turn(*res.holding.popitem())
+
+    def _end_turn(self, key: str, turn: _Turn) -> None:
+        turn.done.set()
+        other = self._residents.get(key)
+        if other is not None and other.turn is turn:
+            other.turn = None
+
     def _give_slot(self, model: _Model) -> None:
         """A request leaves its slot: hand it to the next waiter, unless the model now has more
         running than its (reconfigured, smaller) max_concurrency."""
@@ -615,7 +690,8 @@ class Scheduler:
 
     # ----------------------------------------------------------------- loading
 
-    async def _ensure_hot(self, res: _Resident, *, ignore_cooldown: bool = False) -> None:
+    async def _ensure_hot(self, res: _Resident, *, ignore_cooldown: bool = False,
+                          due: tuple[float, float] | None = None) -> None:
         """Return when `res` is hot, joining its load or starting one. Raises PackserveError.
 
         The caller counts as a waiter while it awaits the load; it may be cancelled at any
@@ -647,6 +723,8 @@ class Scheduler:
                         f"model {res.label} failed to load: {res.error}; "
                         f"next try in {left:.0f}s", retry_after_s=int(left) + 1)
                 task = self._start_load(res)
+            if due is not None:  # a request's deadline, and when it is at risk: the load's turn
+                res.due, res.at_risk = min(res.due, due[0]), min(res.at_risk, due[1])
             res.waiters += 1
             try:
                 await asyncio.shield(task)
@@ -662,6 +740,7 @@ class Scheduler:
 
     def _start_load(self, res: _Resident) -> asyncio.Task[None]:
         res.state = State.ADMITTING
+        res.due = res.at_risk = math.inf  # its waiters set them
         task = asyncio.create_task(self._load(res), name=f"packserve load {res.label}")
         res.load_task = task
         task.add_done_callback(_retrieve)  # waiters get its outcome; nobody else needs it
@@ -696,6 +775,8 @@ class Scheduler:
         except _Abandoned:
             log.debug("load of %s abandoned: nobody waits for it any more", res.label)
         finally:
+            self._release_holds(res)
+            res.due = res.at_risk = math.inf
             res.load_task = None
             res.abandonable = False
             if res.state in (State.ADMITTING, State.LOADING):
@@ -745,6 +826,7 @@ class Scheduler:
                         raise ModelUnavailable(
                             f"model {res.label} timed out after {self._load_wait_s:g}s waiting "
                             f"for memory: {admission.reason}", retry_after_s=LOCK_RETRY_AFTER_S)
+                    self._hold(res, admission.draining)
                     return self._memory_changed, retried
                 if admission.victims:
                     # One at a time, then plan again: a request may lease the next victim
@@ -754,6 +836,7 @@ class Scheduler:
                                       cold=admission.to_cold)
                     continue
                 res.state = State.LOADING
+                self._release_holds(res)
                 t_load = self._clock()
                 try:
                     await self._materialize(res)
@@ -1240,7 +1323,8 @@ class Scheduler:
         answer = self._admission(res)
         # Policy speaks in resident keys; operators know catalog names.
         return dataclasses.replace(answer, target=res.label, victims=tuple(
-            self._residents[k].label for k in answer.victims))
+            self._residents[k].label for k in answer.victims), draining=tuple(
+            self._residents[k].label for k in answer.draining))
 
     # ----------------------------------------------------------------- reload
 
@@ -1486,7 +1570,7 @@ class Scheduler:
         device = self._devices[res.load.device]
         views = [self._view(r) for r in self._residents.values()]
         return plan_admission(self._view(res), views, device.capacity_bytes,
-                              self._policy(device.name))
+                              self._policy(device.name), turns=self._load_turn > 0)
 
     def _policy(self, device: str) -> VictimPolicy:
         """The victim policy of `device` (packserve's LRU-by-bytes unless told otherwise)."""
