@@ -297,6 +297,7 @@ class _Sim:
         self.res = {w.key: _Res(w, tuple(names[w.key]), arrivals=deque(
             maxlen=options.rate_window)) for w in box.weights}
         self.model = {m.name: m for m in box.models}
+        self.slo = dict(options.slo_s)  # per task: a load's turn (`load_turn`)
         self.jobs: list[_Job] = []
         self.lock: deque[_Res] = deque()  # loads waiting for the device; the head holds it
         self.waiting: list[_Res] = []  # loads told to wait for busy models: outside the lock
@@ -391,7 +392,7 @@ class _Sim:
         r = self.res[m.weights]
         r.arrivals.append(self.clock.now)
         req = _Req(t.at, t.model, m.task, m.service.seconds(t.words, t.max_tokens))
-        slo = dict(self.opt.slo_s)
+        slo = self.slo
         waiting = r.turn.queue if r.turn is not None else ()
         due = min((q.at + slo.get(q.task, 4.0) for q in waiting), default=math.inf)
         at_risk = min((q.at + self.opt.load_turn * slo.get(q.task, 4.0) for q in waiting),
@@ -503,7 +504,7 @@ class _Sim:
                 target.state = State.COLD  # its requests stay queued: never served
                 continue
             if plan.verdict is Verdict.WAIT_FOR_BUSY:
-                self._end_turns(target, keep=plan.draining if self.opt.load_turn > 0 else ())
+                self._end_turns(target, keep=plan.draining)
                 if self.opt.wait_holds_lock:
                     self._hold(hold_until)
                     return

@@ -637,8 +637,8 @@ class Scheduler:
         came, has kept one of its requests waiting `load_turn` of its SLO, and serves requests
         due before this one (earliest deadline first, as compute)."""
         turn = res.turn
-        if (turn is None or t_enter < turn.since or self._load_turn <= 0
-                or t_enter < turn.load.at_risk or self._deadline(t_enter, slo_s) < turn.load.due):
+        if (turn is None or t_enter < max(turn.since, turn.load.at_risk)
+                or self._deadline(t_enter, slo_s) < turn.load.due):
             return
         limit = self._load_turn * (self._load_wait_s if slo_s is None else slo_s)
         log.debug("request for %s waits up to %.2fs behind the load of %s", res.label, limit,
@@ -648,9 +648,8 @@ class Scheduler:
                 await turn.done.wait()
 
     def _hold(self, res: _Resident, keys: Sequence[str]) -> None:
-        """`res`'s load waits for `keys` to drain: later requests for them wait behind it."""
-        if self._load_turn <= 0:
-            keys = ()
+        """`res`'s load waits for `keys` to drain: later requests for them wait behind it
+        (none while `load_turn` is 0: the policy then names none)."""
         for key in [k for k in res.holding if k not in keys]:
             self._end_turn(key, res.holding.pop(key))
         now = self._clock()
