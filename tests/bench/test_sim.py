@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from packserve.bench.common import MIB
-from packserve.bench.sim import policies, validate
+from packserve.bench.sim import _load_turn_of, _with_run_warm_tier, policies, validate
 from packserve.bench.sim_calibrate import _fit
 from packserve.bench.sim_catalog import (
     BUILTIN_CALIBRATION,
@@ -46,11 +46,12 @@ SLO = {"embed": 0.5, "rerank": 0.5, "chat": 4.0, "complete": 4.0}
 
 def make_box(*models: tuple[str, str, float], capacity: int = 200, load_s: float = 1.0,
              unload_s: float = 0.0, cores: float = 2.0, slots: int = 1, max_batch: int = 1,
-             restore_s: float | None = None, host_bytes: int = 0,
+             restore_s: float | None = None, host_bytes: int = 0, keeps_bytes: int = 0,
              merge_marginal: float = 0.5) -> Box:
     """One set of weights of 100 bytes per (name, task, service seconds)."""
     weights = tuple(Weights(name, 100, load_s, unload_s, restore_s=restore_s, host_bytes=100,
-                            slots=slots, max_batch=max_batch) for name, _, _ in models)
+                            keeps_bytes=keeps_bytes, slots=slots, max_batch=max_batch)
+                    for name, _, _ in models)
     sims = tuple(SimModel(name, task, name, ServiceModel(seconds))
                  for name, task, seconds in models)
     threads = {"embed": 2.0, "rerank": 2.0, "chat": 1.0, "complete": 1.0, LOAD: 0.0}
@@ -195,6 +196,32 @@ def test_the_warm_tier_keeps_only_what_host_ram_holds() -> None:
     assert [x.warm for x in r.loads] == [False, False, False, False]
 
 
+def test_a_warm_copy_kept_on_the_device_holds_its_bytes_in_the_budget() -> None:
+    # The CPU form: a and b (100 bytes each) take turns in 110; each warm copy keeps 10.
+    box = make_box(("a", "chat", 1.0), ("b", "chat", 1.0), capacity=110, restore_s=0.1,
+                   keeps_bytes=10)
+    trace = requests((0.0, "a"), (5.0, "b"), (10.0, "a"), (15.0, "b"))
+    r = simulate(box, trace, CostAware(), SimOptions(warm_tier=True))
+    assert [x.warm for x in r.loads] == [False, False, True, True]
+    assert latency(r, 10.0, "a") == pytest.approx(1.1)
+    assert r.offloads == 3 and r.peak_bytes == 110  # one hot, one warm copy: never more
+    # Without the warm tier every switch is a load from disk.
+    cold = simulate(box, trace, CostAware())
+    assert [x.warm for x in cold.loads] == [False] * 4
+
+
+def test_a_warm_copy_that_leaves_too_little_room_goes_cold() -> None:
+    # In 105 bytes a's 10-byte copy does not fit beside b: the policy drops it, and a's next
+    # load is from disk.
+    box = make_box(("a", "chat", 1.0), ("b", "chat", 1.0), capacity=105, restore_s=0.1,
+                   keeps_bytes=10)
+    r = simulate(box, requests((0.0, "a"), (5.0, "b"), (10.0, "a")), CostAware(),
+                 SimOptions(warm_tier=True))
+    assert [x.warm for x in r.loads] == [False, False, False]
+    assert r.peak_bytes <= 105
+    assert latency(r, 10.0, "a") == pytest.approx(2.0)
+
+
 def test_a_minimum_residency_holds_a_fresh_load() -> None:
     box = make_box(("a", "chat", 0.1), ("b", "chat", 1.0), capacity=100)
     trace = requests((0.0, "a"), (1.2, "b"))
@@ -333,6 +360,42 @@ def test_validation_sets_simulated_and_real_side_by_side(tmp_path: Path) -> None
     assert v["worst_points"] is not None and v["worst_loads_ratio"] is not None
     assert len(v["table"]["rows"]) == 2 * 5  # four types and "all" per policy
     assert lru["priority"] is False
+
+
+def test_validation_replays_the_warm_tier_and_the_turns_the_real_run_had(
+        tmp_path: Path) -> None:
+    sizes = {w.key: w.bytes for w in cpu_box(BUILTIN_CALIBRATION).weights}
+    restores = [{"model": f"{key}+other", "seconds": s} for key in sizes for s in (0.04, 0.06)]
+    to_warm = [{"model": key, "tier_to": "warm", "seconds": 0.02, "bytes": size - 10 * MIB}
+               for key, size in sizes.items()]
+    path = write_trace_json(tmp_path / "trace.json", {
+        "cost": {"policy": "cost", "loads": 3, "restores": 5, "warm_tier": True,
+                 "load_turn": 0.5, "restore_events": restores, "evict_events": to_warm},
+        "lru": {"policy": "lru_by_bytes", "loads": 8, "warm_tier": False, "load_turn": 0.0},
+    })
+    v = validate(path, BUILTIN_CALIBRATION)
+    cost, lru = v["policies"]["cost"], v["policies"]["lru"]
+    assert (cost["warm_tier"], cost["load_turn"], lru["warm_tier"]) == (True, 0.5, False)
+    assert cost["sim_restores"] > 0 and lru["sim_restores"] == 0
+    assert cost["real_restores"] == 5
+    # What the run measured replaces the calibration: a copy keeps what going warm left.
+    runs = json.loads(path.read_text())["results"]
+    warm = _with_run_warm_tier(BUILTIN_CALIBRATION, runs, sizes)["weights"]
+    assert all(w["keeps_bytes"] == 10 * MIB and w["restore_s"] == pytest.approx(0.05)
+               for w in warm.values())
+
+
+@pytest.mark.parametrize(("label", "real", "date", "turn"), [
+    ("packserve (cost-aware)", {"policy": "cost", "load_turn": 0.25}, "2026-12-01", 0.25),
+    ("packserve (cost-aware)", {"policy": "cost", "restores": 4}, "2026-12-02", 0.5),
+    ("packserve (cost-aware, no load turns)", {"policy": "cost", "restores": 4}, "2026-12-02",
+     0.0),
+    ("packserve (cost-aware)", {"policy": "cost", "restores": 4}, "2026-12-01T17:00", 0.0),
+    ("packserve 0.11 (LRU by bytes)", {"policy": "lru_by_bytes"}, "2026-12-02", 0.0),
+])
+def test_a_real_run_without_its_load_turn_on_record_is_dated(
+        label: str, real: dict[str, object], date: str, turn: float) -> None:
+    assert _load_turn_of(label, real, date) == turn
 
 
 def test_cost_aware_keeps_the_expensive_model_that_returns() -> None:

@@ -6,7 +6,8 @@ it), the Ray Serve rule (`lru_by_count(capacity // largest footprint)`), the Oll
 (shortest keep-alive first; 1800 s for chat models, 300 s otherwise) and Belady's choice (the
 future known from the trace: a reference, not a policy). Each runs with compute priority off
 (today's server) and on (generation yields to embeddings and reranks; loads get the leftover
-cores); on the GPU box also with a host-RAM warm tier; on both, with three holds tried on top
+cores); on the GPU box also with a host-RAM warm tier, on the CPU box with the server's warm
+tier (copies kept inside the budget); on both, with three holds tried on top
 of the cost-aware rule (a minimum residency after a load; a grace after a resident's last
 request; a waiting load's turn, the server's `load_turn`), and the CPU box once more with a
 budget that holds all its models. Traces (`bench.sim_catalog`): steady (Zipf 0.9, Poisson),
@@ -14,9 +15,9 @@ bursty (CV 4) and shifting (popularity ranks rotate over four phases).
 
 The CPU box uses figures measured on this machine: `--calibrate` starts the real server
 (`bench.sim_calibrate`) with a budget that holds everything, loads and unloads each set of
-weights three times, and times requests of the trace's sizes alone. The calibration is
-saved (OUT/sim-calibration.json, and in the results) and reused by later runs into the same
-folder; without one, a run uses the built-in figures (the median of four such calibrations).
+weights three times, sends each to warm and back three times, and times requests of the
+trace's sizes alone. The calibration is saved (OUT/sim-calibration.json, and in the results)
+and reused by later runs into the same folder; without one, a run uses the built-in figures (the median of three such calibrations).
 
 `--validate TRACE_JSON` replays a real `packserve bench trace` run in the simulator (the same
 trace from its parameters, its measured footprints and budget, its policies) and prints
@@ -264,6 +265,17 @@ def _plans(gpu: Box, gpu_traces: Mapping[str, Sequence[TraceRequest]], cpu: Box,
         for label in (COST, LRU, BELADY_SIZED):
             out.append(("GPU box: host-RAM warm tier (priority on)", gpu, shape, trace, label,
                         made[label], warm))
+    if all(w.restore_s is not None and w.keeps_bytes for w in cpu.weights):
+        # The server's CPU warm tier: a warm copy keeps its engine objects inside the budget.
+        title = "CPU box: the warm tier, copies kept in the budget (priority off, as served)"
+        for shape, trace in cpu_traces.items():
+            made = policies(cpu, trace)
+            for label in (COST, LRU, BELADY_SIZED):
+                out.append((title, cpu, shape, trace, label, made[label],
+                            SimOptions(warm_tier=True)))
+            out.append((title, cpu, shape, trace,
+                        f"{COST} + load turns ({LOAD_TURN:g} of the SLO)", made[COST],
+                        SimOptions(warm_tier=True, load_turn=LOAD_TURN)))
     holds = [SimOptions(priority=True, min_residency_s=s) for s in MIN_RESIDENCY_S]
     holds += [SimOptions(priority=True, grace_s=s) for s in GRACE_S]
     if quick:
@@ -363,8 +375,9 @@ def validate(trace_json: Path, calibration: Mapping[str, Any]) -> dict[str, Any]
                        alpha=float(p.get("zipf_alpha", 0.9)),
                        cv=float(p.get("interarrival_cv", 1.0)))
     slo = {**slo_targets(DEFAULT_SLO), **{k: float(v) for k, v in res.get("slo_s", {}).items()}}
-    box = cpu_box(calibration, capacity_bytes=res.get("capacity_bytes"),
-                  sizes=_measured_sizes(res))
+    sizes = _measured_sizes(res)
+    box = cpu_box(_with_run_warm_tier(calibration, res, sizes),
+                  capacity_bytes=res.get("capacity_bytes"), sizes=sizes)
     rows: list[list[object]] = []
     out: dict[str, Any] = {"source": str(trace_json), "command": data.get("command"),
                            "date": data.get("date"), "requests": len(trace), "policies": {}}
@@ -377,10 +390,17 @@ def validate(trace_json: Path, calibration: Mapping[str, Any]) -> dict[str, Any]
             continue
         on = _priority_of(label, real, labels)
         real_loads = _real_loads(real)
+        warm, turn = _warm_tier_of(real), _load_turn_of(label, real, str(data.get("date", "")))
         sims = {prio: summary(run_one(box, "real trace", trace, label, make, SimOptions(
-            priority=prio, wait_holds_lock=held)), slo) for prio in (False, True)}
+            priority=prio, wait_holds_lock=held, warm_tier=warm, load_turn=turn)), slo)
+            for prio in (False, True)}
+        # Loads compared as the real run counts them: from disk, restores apart.
+        sim_loads = sims[on]["loads"] - sims[on]["restores"]
         entry: dict[str, Any] = {"real_loads": real_loads, "priority": on,
-                                 "sim_loads": sims[on]["loads"], "by_task": {}}
+                                 "warm_tier": warm, "load_turn": turn,
+                                 "sim_loads": sim_loads,
+                                 "real_restores": int(real.get("restores") or 0),
+                                 "sim_restores": sims[on]["restores"], "by_task": {}}
         for task in (*TASKS, "all"):
             real_att = (real.get("slo_attainment") if task == "all"
                         else real.get("by_task", {}).get(task, {}).get("slo_attainment"))
@@ -395,16 +415,21 @@ def validate(trace_json: Path, calibration: Mapping[str, Any]) -> dict[str, Any]
             rows.append([label, "on" if on else "off", task, _pct(real_att), _pct(sim_att[on]),
                          _points(sim_att[on], real_att), _pct(sim_att[not on]), real_p95,
                          sim_p95, real_loads if task == "all" else None,
-                         sims[on]["loads"] if task == "all" else None])
+                         sim_loads if task == "all" else None,
+                         entry["real_restores"] if task == "all" else None,
+                         entry["sim_restores"] if task == "all" else None])
         out["policies"][label] = entry
     out["table"] = {"title": f"validation against {trace_json}",
                     "columns": ["policy", "priority", "type", "real SLO met", "sim SLO met",
                                 "sim - real", "sim, other priority", "real p95 s", "sim p95 s",
-                                "real loads", "sim loads"], "rows": rows}
+                                "real loads", "sim loads", "real restores",
+                                "sim restores"], "rows": rows}
     within = [abs(t["sim"] - t["real"]) * 100 for e in out["policies"].values()
               for t in e["by_task"].values() if t["sim"] is not None and t["real"] is not None]
-    loads = [e["sim_loads"] / e["real_loads"] for e in out["policies"].values()
-             if e["real_loads"]]
+    # Loads from disk and restores together: with a warm tier, which of the two a switch
+    # costs depends on a few MiB either side of the budget (below: `keeps_bytes`).
+    loads = [(e["sim_loads"] + e["sim_restores"]) / (e["real_loads"] + e["real_restores"])
+             for e in out["policies"].values() if e["real_loads"]]
     out["worst_points"] = max(within, default=None)
     out["worst_loads_ratio"] = max(loads, key=lambda v: abs(v - 1), default=None)
     out["notes"] = [
@@ -412,7 +437,8 @@ def validate(trace_json: Path, calibration: Mapping[str, Any]) -> dict[str, Any]
         f"with {'the device lock held' if held else 'the device lock let go'} while a load "
         f"waits for busy models): the worst SLO "
         f"difference is {_fmt(out['worst_points'], '{:.1f} points')} (goal <= 5) and the worst "
-        f"loads ratio sim/real {_fmt(out['worst_loads_ratio'], '{:.2f}')} (goal within 15%)"]
+        f"ratio of loads and restores, sim/real, {_fmt(out['worst_loads_ratio'], '{:.2f}')} "
+        f"(goal within 15%)"]
     return out
 
 
@@ -421,7 +447,7 @@ def validation_goals(validation: Mapping[str, Any]) -> list[Goal]:
     return [
         Goal("sim vs real: worst SLO attainment difference, points",
              validation["worst_points"], 5.0, "<=", "per type and policy"),
-        Goal("sim vs real: worst loads ratio, larger of sim/real and real/sim",
+        Goal("sim vs real: worst ratio of loads and restores, larger of sim/real and real/sim",
              None if ratio is None else max(ratio, 1 / ratio), 1.15, "<=",
              "" if ratio is not None else "the real run counted no loads"),
     ]
@@ -452,6 +478,58 @@ def _measured_sizes(res: Mapping[str, Any]) -> dict[str, int]:
             if key in sizes and e.get("bytes_measured"):
                 sizes[key] = max(sizes[key], int(e["bytes_measured"]))
     return sizes
+
+
+def _with_run_warm_tier(calibration: Mapping[str, Any], res: Mapping[str, Any],
+                        sizes: Mapping[str, int]) -> dict[str, Any]:
+    """The calibration with the warm tier as the real run measured it, per set of weights:
+    the median restore's seconds, the median eviction to warm's seconds, and what a warm copy
+    kept (its measured footprint less what going warm freed)."""
+    restores: dict[str, list[float]] = {}
+    offloads: dict[str, list[float]] = {}
+    freed: dict[str, list[int]] = {}
+    for real in res.get("policies", {}).values():
+        for e in real.get("restore_events", ()):
+            restores.setdefault(_key(e), []).append(float(e["seconds"]))
+        for e in real.get("evict_events", ()):
+            if e.get("tier_to") == "warm":
+                offloads.setdefault(_key(e), []).append(float(e["seconds"]))
+                freed.setdefault(_key(e), []).append(int(e["bytes"]))
+    weights = {k: dict(v) for k, v in calibration["weights"].items()}
+    for key, w in weights.items():
+        if restores.get(key) and freed.get(key) and key in sizes:
+            w.update({"restore_s": float(np.median(restores[key])),
+                      "offload_s": float(np.median(offloads[key])),
+                      "keeps_bytes": max(0, sizes[key] - int(np.median(freed[key])))})
+    return {**calibration, "weights": weights}
+
+
+def _key(event: Mapping[str, Any]) -> str:
+    """The weights key of a server event's model label ("a+b": the names sharing them)."""
+    return str(event.get("model", "")).split("+")[0]
+
+
+def _warm_tier_of(real: Mapping[str, Any]) -> bool:
+    """Whether the real run kept evicted models warm: its own field, else whether it restored."""
+    if isinstance(real.get("warm_tier"), bool):
+        return bool(real["warm_tier"])
+    return bool(real.get("restores"))
+
+
+# The first committed `bench trace` run whose server gave a waiting load its turn
+# (bench/results/trace-turns); runs since record their `load_turn`.
+TURNS_FROM = "2026-12-01T23:00:00+00:00"
+
+
+def _load_turn_of(label: str, real: Mapping[str, Any], date: str) -> float:
+    """The real run's `load_turn`: its own field, else the server's default for packserve's
+    cost-aware rule with the warm tier since load turns exist (0 for the others)."""
+    if isinstance(real.get("load_turn"), int | float):
+        return float(real["load_turn"])
+    cost = str(real.get("policy", "")).startswith("cost")
+    if date >= TURNS_FROM and cost and "no load turns" not in label and _warm_tier_of(real):
+        return LOAD_TURN
+    return 0.0
 
 
 def _priority_of(label: str, real: Mapping[str, Any], labels: Sequence[str]) -> bool:

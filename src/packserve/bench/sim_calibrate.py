@@ -52,7 +52,7 @@ def calibrate(opts: Options) -> dict[str, Any]:
     words = [w for w, _ in PROMPT_WORDS]
     tokens = [t for t, _ in MAX_TOKENS]
     keys = (EMBED_MODEL, CHAT_MODEL, COMPLETE_MODEL)
-    steps = len(keys) * REPEATS + REPEATS * sum(
+    steps = 2 * len(keys) * REPEATS + REPEATS * sum(
         len(words) * (len(tokens) if TASK_OF[m] in ("chat", "complete") else 1)
         for m in CATALOG) + 1
     seeds = itertools.count(1000)
@@ -67,9 +67,7 @@ def calibrate(opts: Options) -> dict[str, Any]:
                 c.post(f"/v1/residency/{key}/load").raise_for_status()
                 row = _row(c, key)
                 loads.append(float(row["load_seconds"]))
-                t0 = time.perf_counter()
-                c.post(f"/v1/residency/{key}/unload").raise_for_status()
-                unloads.append(time.perf_counter() - t0)
+                unloads.append(_wall(c, f"/v1/residency/{key}/unload"))
                 # A request to the cold model: the load, then its first request; beyond the
                 # load's own seconds and a request of the same size once hot, a warm-up.
                 cold = _timed(c, key, 32, 16, next(seeds))
@@ -81,6 +79,22 @@ def calibrate(opts: Options) -> dict[str, Any]:
                             "load_s": statistics.median(loads), "loads_s": loads,
                             "unload_s": statistics.median(unloads),
                             "warmup_s": max(0.0, statistics.median(extra)), "warmups_s": extra}
+        for key in keys:  # the warm tier: to warm (offload), back (restore), to cold
+            offloads, restores, drops, kept = [], [], [], []
+            for _ in range(REPEATS):
+                c.post(f"/v1/residency/{key}/load").raise_for_status()
+                offloads.append(_wall(c, f"/v1/residency/{key}/offload"))
+                kept.append(int(_row(c, key)["bytes_warm"] or 0))
+                c.post(f"/v1/residency/{key}/load").raise_for_status()
+                restores.append(float(_row(c, key)["restore_seconds"]))
+                c.post(f"/v1/residency/{key}/offload").raise_for_status()
+                drops.append(_wall(c, f"/v1/residency/{key}/unload"))
+                advance(1)
+            weights[key].update({"restore_s": statistics.median(restores),
+                                 "restores_s": restores,
+                                 "offload_s": statistics.median(offloads),
+                                 "keeps_bytes": int(statistics.median(kept)),
+                                 "drop_s": statistics.median(drops)})
         for key in keys:
             c.post(f"/v1/residency/{key}/load").raise_for_status()
         for model in CATALOG:
@@ -109,6 +123,13 @@ def calibrate(opts: Options) -> dict[str, Any]:
 
 def _row(c: httpx.Client, name: str) -> dict[str, Any]:
     return dict(next(m for m in c.get("/v1/residency").json()["models"] if m["name"] == name))
+
+
+def _wall(c: httpx.Client, path: str) -> float:
+    """Seconds an admin POST takes, through the HTTP API."""
+    t0 = time.perf_counter()
+    c.post(path).raise_for_status()
+    return time.perf_counter() - t0
 
 
 def _timed(c: httpx.Client, model: str, words: int, max_tokens: int, seed: int) -> float:

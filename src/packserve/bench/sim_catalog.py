@@ -42,34 +42,39 @@ CPU_MAX_BATCH = 64  # the embedder's max_batch (config default): queued embeddin
 CPU_MERGE_MARGINAL = 0.3  # assumed: each merged embedding adds 30% of its own time
 
 # Measured with `packserve bench sim --calibrate` (its `calibrate`) on the 2-core AMD EPYC of
-# this project, 2026-12-01, four times on the committed server code while other benchmarks
-# shared the machine (figures moved by up to 40% between runs); each figure is the median of
-# the runs. `bench sim --quick` uses these when its output folder has no calibration.
+# this project, 2026-12-02, three times on a quiet machine (nothing else running) with the
+# server code of commit 0e4f02a; each figure is the median of the three runs. `bench sim
+# --quick` uses these when its output folder has no calibration.
 # Bytes: the scheduler's measured footprints. Loads: the scheduler's load seconds (median of
 # 3 per run); unloads: the admin route's wall time. Stall: the longest embedding sent while a
-# GGUF loads, less the median one (the server parses the file's header in Python first).
-# Warm-up: what a request to a cold model pays beyond the stall, the load and a same-sized
-# request once hot. Requests: alone, through the HTTP API, at the trace's prompt and output
-# sizes, each with a text of its own, fitted linearly. Contention: a 96-word embedding alone
-# and beside a 64-token completion, and that completion alone and beside them.
+# GGUF loads, less the median one. Warm-up: what a request to a cold model pays beyond the
+# stall, the load and a same-sized request once hot. The warm tier: the admin `offload` route's
+# wall time, what the warm copy then held (`bytes_warm`), the scheduler's restore seconds, and
+# the `unload` route's wall time from warm. Requests: alone, through the HTTP API, at the
+# trace's prompt and output sizes, each with a text of its own, fitted linearly. Contention: a
+# 96-word embedding alone and beside a 64-token completion, and that completion alone and
+# beside them.
 BUILTIN_CALIBRATION: dict[str, Any] = {
     "weights": {
-        EMBED_MODEL: {"bytes": 90861056, "load_s": 0.46, "unload_s": 0.30, "stall_s": 0.0,
-                      "warmup_s": 0.02},
-        CHAT_MODEL: {"bytes": 167747584, "load_s": 0.60, "unload_s": 0.31, "stall_s": 0.27,
-                     "warmup_s": 0.23},
-        COMPLETE_MODEL: {"bytes": 334563328, "load_s": 1.25, "unload_s": 0.41, "stall_s": 0.28,
-                         "warmup_s": 0.0},
+        EMBED_MODEL: {"bytes": 90861056, "load_s": 0.145, "unload_s": 0.012, "warmup_s": 0.009,
+                      "restore_s": 0.013, "offload_s": 0.013, "keeps_bytes": 88206848,
+                      "drop_s": 0.015},
+        CHAT_MODEL: {"bytes": 168198144, "load_s": 0.228, "unload_s": 0.027, "stall_s": 0.013,
+                     "warmup_s": 0.166, "restore_s": 0.045, "offload_s": 0.017,
+                     "keeps_bytes": 20123648, "drop_s": 0.019},
+        COMPLETE_MODEL: {"bytes": 349417472, "load_s": 0.865, "unload_s": 0.078, "stall_s": 0.014,
+                         "warmup_s": 0.009, "restore_s": 0.04, "offload_s": 0.02,
+                         "keeps_bytes": 64565248, "drop_s": 0.071},
     },
     "service": {
-        EMBED_MODEL: {"base_s": 0.0307, "per_word_s": 0.000340, "per_token_s": 0.0},
-        RERANK_MODEL: {"base_s": 0.0505, "per_word_s": 0.003245, "per_token_s": 0.0},
-        CHAT_MODEL: {"base_s": 0.1020, "per_word_s": 0.010187, "per_token_s": 0.016968},
-        EXTRACT_MODEL: {"base_s": 0.2062, "per_word_s": 0.010294, "per_token_s": 0.014008},
-        COMPLETE_MODEL: {"base_s": 0.0115, "per_word_s": 0.005872, "per_token_s": 0.032284},
+        EMBED_MODEL: {"base_s": 0.01868, "per_word_s": 0.000405, "per_token_s": 0.0},
+        RERANK_MODEL: {"base_s": 0.03638, "per_word_s": 0.002133, "per_token_s": 0.0},
+        CHAT_MODEL: {"base_s": 0.06176, "per_word_s": 0.008466, "per_token_s": 0.01513},
+        EXTRACT_MODEL: {"base_s": 0.12645, "per_word_s": 0.009938, "per_token_s": 0.0149},
+        COMPLETE_MODEL: {"base_s": 0.01661, "per_word_s": 0.005207, "per_token_s": 0.03007},
     },
-    "contention": {"embed_alone_s": 0.0717, "embed_beside_generation_s": 0.1262,
-                   "generation_alone_s": 2.2915, "generation_beside_embeds_s": 4.1293},
+    "contention": {"embed_alone_s": 0.0588, "embed_beside_generation_s": 0.0623,
+                   "generation_alone_s": 2.1437, "generation_beside_embeds_s": 2.3877},
 }
 
 
@@ -96,7 +101,9 @@ def cpu_box(calibration: Mapping[str, Any], *, capacity_bytes: int | None = None
     weights = tuple(
         Weights(key=key, bytes=int((sizes or {}).get(key, m["bytes"])), load_s=m["load_s"],
                 unload_s=m["unload_s"], warmup_s=m.get("warmup_s", 0.0),
-                stall_s=m.get("stall_s", 0.0),
+                stall_s=m.get("stall_s", 0.0), restore_s=m.get("restore_s"),
+                offload_s=m.get("offload_s", 0.0), keeps_bytes=int(m.get("keeps_bytes", 0)),
+                drop_s=m.get("drop_s", 0.0),
                 max_batch=CPU_MAX_BATCH if key == EMBED_MODEL else 1)
         for key, m in measured.items())
     if capacity_bytes is None:

@@ -28,6 +28,11 @@ happened. What it mirrors of `core.scheduler` (`_admit_and_load`, `acquire`, `_t
   first request after it takes `warmup_s` more (both measured on the CPU box).
 - With a warm tier, an evicted model's weights move to host RAM if they fit there (the warm
   copies kept longest ago leave for them) and come back at `restore_s` instead of `load_s`.
+  Where a set of weights has `keeps_bytes` (the CPU box, as the server's warm tier works on a
+  CPU) its warm copy stays on the device instead, holding those bytes inside the budget, and
+  the policy sees it as the scheduler shows it (`goes_warm`, `keeps_bytes`, `restore_s`,
+  `warm_bytes`, state WARM): it may evict a copy to cold, or evict victims straight to cold
+  (`Admission.to_cold`).
 
 Two holds that the real scheduler does not have, to try in the simulator only: a minimum
 residency after a load, and a grace after a resident's last request (so that a burst for it is
@@ -91,6 +96,9 @@ class Weights:
     restore_s: float | None = None  # from the host-RAM warm tier; None: never kept warm
     offload_s: float = 0.0  # device to host RAM, when evicted to the warm tier
     host_bytes: int = 0  # what its warm copy holds in host RAM
+    keeps_bytes: int = 0  # >0: its warm copy stays on the device (its engine objects, as on
+    # the CPU box), holding this much of the budget, instead of moving to host RAM
+    drop_s: float = 0.0  # a warm copy kept on the device, to cold
     slots: int = 1  # requests served at once
     max_batch: int = 1  # embeddings merged into one forward pass (1: none)
 
@@ -168,7 +176,7 @@ class LoadRecord:
     key: str
     seconds: float
     bytes: int
-    warm: bool  # restored from host RAM
+    warm: bool  # restored from the warm tier
 
 
 @dataclass
@@ -176,8 +184,9 @@ class SimResult:
     served: list[Served] = field(default_factory=list)
     loads: list[LoadRecord] = field(default_factory=list)
     evictions: int = 0
-    offloads: int = 0  # evictions that kept a warm copy in host RAM
-    peak_bytes: int = 0  # the most the device held (loading, hot, unloading) at any load
+    offloads: int = 0  # evictions that kept a warm copy (in host RAM, or on the device)
+    peak_bytes: int = 0  # the most the device held (loading, hot, unloading, warm copies kept
+    # on it) at any load
     end_s: float = 0.0
 
     def latencies(self, task: str | None = None) -> list[float]:
@@ -265,9 +274,12 @@ class _Res:
     arrivals: deque[float] = field(default_factory=deque)
     last_used: float = 0.0
     loaded_at: float = -math.inf
-    load_s: float = 0.0  # its last load's seconds
-    warm: bool = False  # a copy waits in host RAM
+    load_s: float = 0.0  # its last load's seconds (from disk, where warm copies stay on the
+    # device; else the last load or restore, as before they could)
+    warm: bool = False  # a warm copy waits (in host RAM, or on the device: state WARM)
     warm_since: float = 0.0
+    kept: int = 0  # what its last warm copy held on the device (0: never went warm there)
+    restore_s: float = 0.0  # its last restore's seconds (0: never restored)
     fresh: bool = False  # loaded from disk, no request served yet
     turn: _Res | None = None  # a load waits for it to drain: new requests are parked
     parked: list[tuple[float, _Req]] = field(default_factory=list)  # (held until, request)
@@ -414,7 +426,7 @@ class _Sim:
             return
         if r.state is State.HOT:
             self._serve(r)
-        elif r.state is State.COLD:
+        elif r.state in (State.COLD, State.WARM):
             self._want(r, admit)
         # ADMITTING, LOADING: served once hot; UNLOADING: loaded again once it has left
 
@@ -457,14 +469,19 @@ class _Sim:
         if job.kind in ("load", "restore"):
             self.out.loads.append(LoadRecord(job.started, r.w.key, seconds, r.w.bytes,
                                              warm=job.kind == "restore"))
-            r.state, r.load_s, r.loaded_at, r.last_used = State.HOT, seconds, now, now
+            r.state, r.loaded_at, r.last_used = State.HOT, now, now
+            if job.kind == "load" or not self._in_place(r):
+                r.load_s = seconds
             r.fresh = job.kind == "load"
             if job.kind == "restore":
-                r.warm = False
+                r.warm, r.restore_s = False, seconds
             self.lock.popleft()
             self._serve(r)
-        else:  # unload or offload
-            r.state = State.COLD
+        else:  # unload, offload, or a warm copy dropped
+            if job.kind == "offload" and self._in_place(r):
+                r.state, r.kept = State.WARM, r.w.keeps_bytes
+            else:
+                r.state = State.COLD
             if r.queue:  # requests came while it left: load it again
                 self._want(r)
         self._changed()
@@ -512,12 +529,12 @@ class _Sim:
                 self._hold(hold_until)
                 continue
             if plan.victims:
-                self._evict(self.res[plan.victims[0]])
-                return
+                if self._evict(self.res[plan.victims[0]], cold=plan.to_cold):
+                    return
+                continue  # a waiting load's warm copy let go at once: plan again
             target.state = State.LOADING
             self._end_turns(target)
-            held = sum(r.w.bytes for r in self.res.values()
-                       if r.state in (State.LOADING, State.HOT, State.UNLOADING))
+            held = sum(self._view(r, 0).held for r in self.res.values())
             self.out.peak_bytes = max(self.out.peak_bytes, held)
             restore = self.opt.warm_tier and target.warm and target.w.restore_s is not None
             seconds = target.w.restore_s if restore and target.w.restore_s else target.w.load_s
@@ -544,23 +561,39 @@ class _Sim:
         if until < math.inf and until not in self.timers:
             heapq.heappush(self.timers, until)
 
-    def _evict(self, v: _Res) -> None:
-        v.state = State.UNLOADING
+    def _evict(self, v: _Res, cold: bool = False) -> bool:
+        """Start `v`'s eviction (to cold with `cold`, as the policy said); False when there
+        was nothing to run: a waiting load's warm copy, let go at once (its load becomes a
+        whole one), as the scheduler's `_evict` does."""
         self.out.evictions += 1
+        if v.state is State.ADMITTING:
+            v.warm = False
+            return False
         kind, seconds = "unload", v.w.unload_s
-        if self.opt.warm_tier and v.w.restore_s is not None and self._make_warm_room(v):
+        if v.state is State.WARM:
+            kind, seconds = "drop", v.w.drop_s
+            v.warm = False
+        elif (not cold if self._in_place(v) else self.opt.warm_tier
+              and v.w.restore_s is not None and self._make_warm_room(v)):
             kind, seconds = "offload", v.w.offload_s
             v.warm, v.warm_since = True, self.clock.now
             self.out.offloads += 1
+        v.state = State.UNLOADING
         self.mover = _Job(kind, v, seconds, self.clock.now, [])
         self._start(self.mover)
+        return True
+
+    def _in_place(self, r: _Res) -> bool:
+        """Whether `r`'s warm copy stays on the device (`Weights.keeps_bytes`)."""
+        return self.opt.warm_tier and r.w.keeps_bytes > 0 and r.w.restore_s is not None
 
     def _make_warm_room(self, v: _Res) -> bool:
         """Room in host RAM for `v`'s copy: the least recently kept copies leave for it."""
         need = v.w.host_bytes
         if v.warm or need > self.box.host_bytes:
             return v.warm
-        held = sorted((r for r in self.res.values() if r.warm), key=lambda r: r.warm_since)
+        held = sorted((r for r in self.res.values() if r.warm and not self._in_place(r)),
+                      key=lambda r: r.warm_since)
         used = sum(r.w.host_bytes for r in held)
         for r in held:
             if used + need <= self.box.host_bytes:
@@ -595,9 +628,12 @@ class _Sim:
 
     def _view(self, r: _Res, held: int) -> ResidentView:
         now = self.clock.now
+        in_place = self._in_place(r)
         return ResidentView(
             key=r.w.key, device=self.box.name, state=r.state, bytes=r.w.bytes,
             in_flight=r.in_flight + held, last_used=r.last_used, models=r.models,
-            reload_s=r.load_s, rate_per_s=arrival_rate(r.arrivals, now))
+            reload_s=r.load_s, rate_per_s=arrival_rate(r.arrivals, now),
+            goes_warm=in_place, keeps_bytes=r.kept, restore_s=r.restore_s,
+            warm_bytes=r.w.keeps_bytes if in_place and r.warm else 0)
 
 

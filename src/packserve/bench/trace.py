@@ -52,6 +52,7 @@ from packserve.bench.report import (
     plot_loads_over_time,
     plot_memory_timeline,
 )
+from packserve.config import ServerConfig
 
 # Popularity rank (Zipf): the embedder is the most used, the extractor the least.
 POPULARITY = (EMBED_MODEL, CHAT_MODEL, RERANK_MODEL, COMPLETE_MODEL, EXTRACT_MODEL)
@@ -219,6 +220,13 @@ VARIANTS = ("cost_priority", "cost_no_turn")
 WARM = frozenset({"cost", *VARIANTS})
 
 
+def _load_turn(name: str) -> float:
+    """The server's `load_turn` in the run of policy `name` (what `bench sim --validate` reads)."""
+    if name not in WARM or name == "cost_no_turn":
+        return 0.0
+    return float(ServerConfig.model_fields["load_turn"].default)
+
+
 def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
              slo: dict[str, float], keys: dict[str, str], log: Path,
              advance: Any) -> dict[str, Any]:
@@ -324,7 +332,9 @@ def run(opts: Options) -> Report:
             runs = [_one_run(opts, used, spec, trace, slo, keys,
                              work / f"trace-{name}-{i + 1}.log", advance)
                     for i in range(repeat)]
-            per_policy[label] = _median_run(runs)
+            per_policy[label] = {**_median_run(runs), "warm_tier": name in WARM,
+                                 "load_turn": _load_turn(name),
+                                 "priority": name == "cost_priority"}
     sequence = [first[r.model] for r in trace]
     belady = offline_loads(sequence, sizes, capacity, belady=True)
     lru_offline = offline_loads(sequence, sizes, capacity, belady=False)
