@@ -310,6 +310,9 @@ class FakeProbe:
     def settle(self) -> None:
         self.settles += 1
 
+    def unread_mapped_bytes(self, device: str) -> int:
+        return 0
+
 
 class Clock:
     """A scheduler clock that moves only when the test says so."""

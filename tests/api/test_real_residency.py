@@ -82,7 +82,9 @@ def test_evicted_models_wait_warm_and_come_back_with_the_same_answers(models_dir
         first_text = call("/v1/chat/completions", chat)["choices"][0]["message"]["content"]
         minilm = row("all-minilm-l6-v2")
         assert minilm["state"] == "warm"
-        assert 0 < minilm["bytes_warm"] < minilm["bytes_measured"]
+        print("MiniLM warm MiB:", minilm["bytes_warm"] / 2**20)  # shown with -s
+        # Its embedding table's unread rows were never resident: unmapped, they count as freed.
+        assert 0 <= minilm["bytes_warm"] < minilm["bytes_measured"] / 4
         assert call("/v1/embeddings", embed)["data"][0]["embedding"] == first_vector
         smollm2 = row("smollm2-135m-instruct")
         assert smollm2["state"] == "warm"

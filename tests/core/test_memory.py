@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from packserve.core.memory import NVIDIA_DRIVER_PATHS, cuda_available
+from packserve.core.memory import NVIDIA_DRIVER_PATHS, cuda_available, unread_mapped_bytes
 
 NO_DRIVER = not any(Path(p).exists() for p in NVIDIA_DRIVER_PATHS)
 
@@ -54,3 +54,31 @@ def test_settle_freezes_the_live_objects_once_per_new_library() -> None:
         "probe.settle()  # nothing new imported: nothing more frozen\n"
         "assert gc.get_freeze_count() == frozen > 0, frozen\n")
     subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
+
+
+SMAPS = """\
+7f0350200000-7f03558a9000 rw-p 00000000 fe:00 5488650    /models/minilm/model.safetensors
+Size:              88740 kB
+KernelPageSize:        4 kB
+Rss:                2740 kB
+Pss:                2740 kB
+VmFlags: rd wr mr mw me ac sd
+7f0360000000-7f0364000000 rw-p 00000000 00:00 0
+Size:              65536 kB
+Rss:                 100 kB
+VmFlags: rd wr mr mw me nr sd
+7f035f901000-7f035f93d000 r--p 00000000 fe:00 5374785    /lib/libsafetensors.so
+Size:                240 kB
+Rss:                 240 kB
+"""
+
+
+def test_unread_mapped_bytes_counts_file_mappings_not_resident(tmp_path: Path) -> None:
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    # The weights' file: 88740 kB mapped, 2740 resident; the anonymous mapping is not a file.
+    assert unread_mapped_bytes(str(smaps)) == (88740 - 2740) * 1024
+
+
+def test_unread_mapped_bytes_reads_this_process() -> None:
+    assert unread_mapped_bytes() >= 0

@@ -17,7 +17,8 @@ The CPU box uses figures measured on this machine: `--calibrate` starts the real
 (`bench.sim_calibrate`) with a budget that holds everything, loads and unloads each set of
 weights three times, sends each to warm and back three times, and times requests of the
 trace's sizes alone. The calibration is saved (OUT/sim-calibration.json, and in the results)
-and reused by later runs into the same folder; without one, a run uses the built-in figures (the median of three such calibrations).
+and reused by later runs into the same folder; without one, a run uses the built-in figures
+(the median of three such calibrations).
 
 `--validate TRACE_JSON` replays a real `packserve bench trace` run in the simulator (the same
 trace from its parameters, its measured footprints and budget, its policies) and prints

@@ -35,6 +35,13 @@ class MemoryProbe(Protocol):
         the process, so later releases need not go over it again."""
         ...
 
+    def unread_mapped_bytes(self, device: str) -> int:
+        """Bytes of files mapped into this process that are not resident now (never read, or
+        given back). Called before and after a model gives its weights back (the warm tier):
+        weights mapped from their file and never read count in a model's bytes but not in the
+        resident set, so unmapping them frees budget that `used_bytes` cannot show."""
+        ...
+
 
 class SystemProbe:
     """The real probe: /proc on CPU, torch.cuda on GPUs."""
@@ -73,6 +80,11 @@ class SystemProbe:
         if trim is not None:
             trim(0)
 
+    def unread_mapped_bytes(self, device: str) -> int:
+        if device.startswith("cuda"):
+            return 0
+        return unread_mapped_bytes()
+
     def settle(self) -> None:
         """Freeze the objects alive now out of the collector's sight (`gc.freeze`), once per
         newly imported library. A full collection (each `release`) goes over every object:
@@ -85,6 +97,25 @@ class SystemProbe:
         gc.collect()
         gc.freeze()
         self._settled_modules = len(sys.modules)
+
+
+def unread_mapped_bytes(smaps: str = "/proc/self/smaps") -> int:
+    """The sum over the file-backed mappings of `smaps` of their size less their resident
+    pages."""
+    unread = 0
+    file_backed = False
+    size = 0
+    with open(smaps, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            head, _, rest = line.partition(" ")
+            if "-" in head and not head.endswith(":"):  # a mapping: addr perms offset dev inode
+                fields = rest.split()
+                file_backed = len(fields) >= 5 and fields[3] != "0"
+            elif file_backed and head == "Size:":
+                size = int(rest.split()[0])
+            elif file_backed and head == "Rss:":
+                unread += max(0, size - int(rest.split()[0])) * 1024
+    return unread
 
 
 # Where NVIDIA's driver shows itself, in a container as on a host. Without it there is no CUDA
