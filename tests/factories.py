@@ -310,7 +310,7 @@ class FakeProbe:
     def settle(self) -> None:
         self.settles += 1
 
-    def unread_mapped_bytes(self, device: str) -> int:
+    def mapped_file_bytes(self, device: str) -> int:
         return 0
 
 

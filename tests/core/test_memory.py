@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from packserve.core.memory import NVIDIA_DRIVER_PATHS, cuda_available, unread_mapped_bytes
+from packserve.core.memory import NVIDIA_DRIVER_PATHS, cuda_available, mapped_file_bytes
 
 NO_DRIVER = not any(Path(p).exists() for p in NVIDIA_DRIVER_PATHS)
 
@@ -56,29 +56,21 @@ def test_settle_freezes_the_live_objects_once_per_new_library() -> None:
     subprocess.run([sys.executable, "-c", code], timeout=60, check=True)
 
 
-SMAPS = """\
-7f0350200000-7f03558a9000 rw-p 00000000 fe:00 5488650    /models/minilm/model.safetensors
-Size:              88740 kB
-KernelPageSize:        4 kB
-Rss:                2740 kB
-Pss:                2740 kB
-VmFlags: rd wr mr mw me ac sd
+MAPS = """\
+7f0350200000-7f03558a9000 r--p 00000000 fe:00 5488650    /models/minilm/model.safetensors
 7f0360000000-7f0364000000 rw-p 00000000 00:00 0
-Size:              65536 kB
-Rss:                 100 kB
-VmFlags: rd wr mr mw me nr sd
 7f035f901000-7f035f93d000 r--p 00000000 fe:00 5374785    /lib/libsafetensors.so
-Size:                240 kB
-Rss:                 240 kB
+7ffd1c5e3000-7ffd1c604000 rw-p 00000000 00:00 0                          [stack]
 """
 
 
-def test_unread_mapped_bytes_counts_file_mappings_not_resident(tmp_path: Path) -> None:
-    smaps = tmp_path / "smaps"
-    smaps.write_text(SMAPS)
-    # The weights' file: 88740 kB mapped, 2740 resident; the anonymous mapping is not a file.
-    assert unread_mapped_bytes(str(smaps)) == (88740 - 2740) * 1024
+def test_mapped_file_bytes_sums_the_file_mappings(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS)
+    # The weights' file and the library; anonymous memory and the stack are not files.
+    assert mapped_file_bytes(str(maps)) == (0x7f03558a9000 - 0x7f0350200000) + (
+        0x7f035f93d000 - 0x7f035f901000)
 
 
-def test_unread_mapped_bytes_reads_this_process() -> None:
-    assert unread_mapped_bytes() >= 0
+def test_mapped_file_bytes_reads_this_process() -> None:
+    assert mapped_file_bytes() > 0  # the interpreter's own executable and libraries

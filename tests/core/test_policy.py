@@ -75,6 +75,11 @@ VICTIM_CASES = [
         300, 50, None,
         id="not-enough-evictable-returns-none"),
     pytest.param([], 10, 0, None, id="nothing-resident-returns-none"),
+    pytest.param(
+        [resident("w", 100, state=State.WARM, warm_mib=0, last_used=0),
+         resident("b", 100, last_used=9)],
+        100, 0, ("b",),
+        id="a-warm-copy-that-frees-nothing-is-never-chosen"),
 ]
 
 

@@ -367,9 +367,14 @@ def run(opts: Options) -> Report:
     ours = next((p for label, p in per_policy.items() if label.startswith("packserve (")), None)
     if ours is not None:
         for task, s in ours["by_task"].items():
-            report.goals.append(Goal(f"trace: packserve meets the {task} SLO "
-                                     f"({s['slo_s']:g} s)", s["slo_attainment"], 0.97, ">=",
-                                     f"median of {repeat} run(s)"))
+            # Per type, the median of the runs' attainments: the median run (the tables)
+            # is the middle one by all requests, and its types need not be each type's middle.
+            each = [r["by_task"][task] for r in ours["runs"] if task in r["by_task"]]
+            report.goals.append(Goal(
+                f"trace: packserve meets the {task} SLO ({s['slo_s']:g} s)",
+                float(np.median(each)) if each else s["slo_attainment"], 0.97, ">=",
+                f"per type, the median of {repeat} run(s): "
+                + ", ".join(f"{100 * v:.1f}%" for v in each)))
     report.notes.append(
         f"budget - headroom {capacity / MIB:.0f} MiB for models of "
         + ", ".join(f"{k} {v / MIB:.0f} MiB" for k, v in sizes.items())

@@ -35,11 +35,11 @@ class MemoryProbe(Protocol):
         the process, so later releases need not go over it again."""
         ...
 
-    def unread_mapped_bytes(self, device: str) -> int:
-        """Bytes of files mapped into this process that are not resident now (never read, or
-        given back). Called before and after a model gives its weights back (the warm tier):
-        weights mapped from their file and never read count in a model's bytes but not in the
-        resident set, so unmapping them frees budget that `used_bytes` cannot show."""
+    def mapped_file_bytes(self, device: str) -> int:
+        """Bytes of files mapped into this process, resident or not. Called before and after a
+        model gives its weights back (the warm tier): weights mapped from their file count in
+        a model's bytes whether or not they were ever read, and unmapping them frees them all,
+        where `used_bytes` shows only the pages that were read."""
         ...
 
 
@@ -80,10 +80,10 @@ class SystemProbe:
         if trim is not None:
             trim(0)
 
-    def unread_mapped_bytes(self, device: str) -> int:
+    def mapped_file_bytes(self, device: str) -> int:
         if device.startswith("cuda"):
             return 0
-        return unread_mapped_bytes()
+        return mapped_file_bytes()
 
     def settle(self) -> None:
         """Freeze the objects alive now out of the collector's sight (`gc.freeze`), once per
@@ -99,23 +99,18 @@ class SystemProbe:
         self._settled_modules = len(sys.modules)
 
 
-def unread_mapped_bytes(smaps: str = "/proc/self/smaps") -> int:
-    """The sum over the file-backed mappings of `smaps` of their size less their resident
-    pages."""
-    unread = 0
-    file_backed = False
-    size = 0
-    with open(smaps, encoding="utf-8", errors="replace") as f:
+def mapped_file_bytes(maps: str = "/proc/self/maps") -> int:
+    """The sum of the sizes of the file-backed mappings listed in `maps` (its lines: range,
+    perms, offset, device, inode, path). /proc/self/maps, not smaps: smaps walks every page
+    table to count resident pages, 50 ms with torch loaded; maps reads in a millisecond."""
+    total = 0
+    with open(maps, encoding="utf-8", errors="replace") as f:
         for line in f:
-            head, _, rest = line.partition(" ")
-            if "-" in head and not head.endswith(":"):  # a mapping: addr perms offset dev inode
-                fields = rest.split()
-                file_backed = len(fields) >= 5 and fields[3] != "0"
-            elif file_backed and head == "Size:":
-                size = int(rest.split()[0])
-            elif file_backed and head == "Rss:":
-                unread += max(0, size - int(rest.split()[0])) * 1024
-    return unread
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[4] != "0":
+                start, _, end = fields[0].partition("-")
+                total += int(end, 16) - int(start, 16)
+    return total
 
 
 # Where NVIDIA's driver shows itself, in a container as on a host. Without it there is no CUDA

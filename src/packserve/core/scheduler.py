@@ -1093,7 +1093,7 @@ class Scheduler:
         device = res.load.device
         self._probe.release(device)  # garbage from before is not the release's to claim
         before = self._probe.used_bytes(device)
-        unread = self._probe.unread_mapped_bytes(device)
+        mapped = self._probe.mapped_file_bytes(device)
         try:
             kept = backend.release_weights()
         except Exception:
@@ -1103,11 +1103,12 @@ class Scheduler:
             return None
         self._probe.release(device)
         freed = before - self._probe.used_bytes(device)
-        # Weights mapped from their file and never read (MiniLM's unused vocabulary rows: most
-        # of its 45 MiB embedding table) were counted in its bytes but were never resident:
-        # unmapped now, they are freed too, though the resident set cannot show it.
-        unmapped = max(0, unread - self._probe.unread_mapped_bytes(device))
-        return min(res.bytes, max(res.bytes - freed - unmapped, backend.weight_bytes(), 0))
+        # Weights mapped from their file count in its bytes whether read or not, and pages never
+        # read (MiniLM's unused vocabulary rows: most of its 45 MiB embedding table) were never
+        # resident: unmapped now, they are freed too, though the resident set cannot show it.
+        # `freed` counts the pages that were read, and maybe more: the larger of the two.
+        unmapped = max(0, mapped - self._probe.mapped_file_bytes(device))
+        return min(res.bytes, max(res.bytes - max(freed, unmapped), backend.weight_bytes(), 0))
 
     async def _retire(self, res: _Resident, reason: str) -> None:
         """Unload `res` once nothing uses it, because it was quarantined or removed from the
