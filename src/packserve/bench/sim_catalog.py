@@ -43,7 +43,7 @@ CPU_MERGE_MARGINAL = 0.3  # assumed: each merged embedding adds 30% of its own t
 
 # Measured with `packserve bench sim --calibrate` (its `calibrate`) on the 2-core AMD EPYC of
 # this project, 2026-12-02, three times on a quiet machine (nothing else running) with the
-# server code of commit 0e4f02a; each figure is the median of the three runs. `bench sim
+# server code of commit 119abae; each figure is the median of the three runs. `bench sim
 # --quick` uses these when its output folder has no calibration.
 # Bytes: the scheduler's measured footprints. Loads: the scheduler's load seconds (median of
 # 3 per run); unloads: the admin route's wall time. Stall: the longest embedding sent while a
@@ -56,25 +56,24 @@ CPU_MERGE_MARGINAL = 0.3  # assumed: each merged embedding adds 30% of its own t
 # beside them.
 BUILTIN_CALIBRATION: dict[str, Any] = {
     "weights": {
-        EMBED_MODEL: {"bytes": 90861056, "load_s": 0.145, "unload_s": 0.012, "warmup_s": 0.009,
-                      "restore_s": 0.013, "offload_s": 0.013, "keeps_bytes": 88206848,
-                      "drop_s": 0.015},
-        CHAT_MODEL: {"bytes": 168198144, "load_s": 0.228, "unload_s": 0.027, "stall_s": 0.013,
-                     "warmup_s": 0.166, "restore_s": 0.045, "offload_s": 0.017,
-                     "keeps_bytes": 20123648, "drop_s": 0.019},
-        COMPLETE_MODEL: {"bytes": 349417472, "load_s": 0.865, "unload_s": 0.078, "stall_s": 0.014,
-                         "warmup_s": 0.009, "restore_s": 0.04, "offload_s": 0.02,
-                         "keeps_bytes": 64565248, "drop_s": 0.071},
+        EMBED_MODEL: {"bytes": 90861056, "load_s": 0.158, "unload_s": 0.017, "warmup_s": 0.007,
+                      "restore_s": 0.012, "offload_s": 0.028, "keeps_bytes": 0, "drop_s": 0.016},
+        CHAT_MODEL: {"bytes": 168034304, "load_s": 0.18, "unload_s": 0.033, "stall_s": 0.014,
+                     "warmup_s": 0.101, "restore_s": 0.063, "offload_s": 0.03,
+                     "keeps_bytes": 19943424, "drop_s": 0.021},
+        COMPLETE_MODEL: {"bytes": 350736384, "load_s": 0.875, "unload_s": 0.096, "stall_s": 0.029,
+                         "warmup_s": 0.0, "restore_s": 0.049, "offload_s": 0.039,
+                         "keeps_bytes": 65183744, "drop_s": 0.074},
     },
     "service": {
-        EMBED_MODEL: {"base_s": 0.01868, "per_word_s": 0.000405, "per_token_s": 0.0},
-        RERANK_MODEL: {"base_s": 0.03638, "per_word_s": 0.002133, "per_token_s": 0.0},
-        CHAT_MODEL: {"base_s": 0.06176, "per_word_s": 0.008466, "per_token_s": 0.01513},
-        EXTRACT_MODEL: {"base_s": 0.12645, "per_word_s": 0.009938, "per_token_s": 0.0149},
-        COMPLETE_MODEL: {"base_s": 0.01661, "per_word_s": 0.005207, "per_token_s": 0.03007},
+        EMBED_MODEL: {"base_s": 0.0204, "per_word_s": 0.000396, "per_token_s": 0.0},
+        RERANK_MODEL: {"base_s": 0.02986, "per_word_s": 0.002161, "per_token_s": 0.0},
+        CHAT_MODEL: {"base_s": 0.04992, "per_word_s": 0.00692, "per_token_s": 0.01448},
+        EXTRACT_MODEL: {"base_s": 0.06484, "per_word_s": 0.008351, "per_token_s": 0.01768},
+        COMPLETE_MODEL: {"base_s": -0.00451, "per_word_s": 0.004571, "per_token_s": 0.031704},
     },
-    "contention": {"embed_alone_s": 0.0588, "embed_beside_generation_s": 0.0623,
-                   "generation_alone_s": 2.1437, "generation_beside_embeds_s": 2.3877},
+    "contention": {"embed_alone_s": 0.0612, "embed_beside_generation_s": 0.0643,
+                   "generation_alone_s": 2.3363, "generation_beside_embeds_s": 2.4806},
 }
 
 
@@ -102,7 +101,7 @@ def cpu_box(calibration: Mapping[str, Any], *, capacity_bytes: int | None = None
         Weights(key=key, bytes=int((sizes or {}).get(key, m["bytes"])), load_s=m["load_s"],
                 unload_s=m["unload_s"], warmup_s=m.get("warmup_s", 0.0),
                 stall_s=m.get("stall_s", 0.0), restore_s=m.get("restore_s"),
-                offload_s=m.get("offload_s", 0.0), keeps_bytes=int(m.get("keeps_bytes", 0)),
+                offload_s=m.get("offload_s", 0.0), keeps_bytes=m.get("keeps_bytes"),
                 drop_s=m.get("drop_s", 0.0),
                 max_batch=CPU_MAX_BATCH if key == EMBED_MODEL else 1)
         for key, m in measured.items())

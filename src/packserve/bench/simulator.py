@@ -96,8 +96,9 @@ class Weights:
     restore_s: float | None = None  # from the host-RAM warm tier; None: never kept warm
     offload_s: float = 0.0  # device to host RAM, when evicted to the warm tier
     host_bytes: int = 0  # what its warm copy holds in host RAM
-    keeps_bytes: int = 0  # >0: its warm copy stays on the device (its engine objects, as on
-    # the CPU box), holding this much of the budget, instead of moving to host RAM
+    keeps_bytes: int | None = None  # set: its warm copy stays on the device (its engine
+    # objects, as on the CPU box), holding this much of the budget (0: nothing the scheduler
+    # can measure), instead of moving to host RAM
     drop_s: float = 0.0  # a warm copy kept on the device, to cold
     slots: int = 1  # requests served at once
     max_batch: int = 1  # embeddings merged into one forward pass (1: none)
@@ -479,7 +480,7 @@ class _Sim:
             self._serve(r)
         else:  # unload, offload, or a warm copy dropped
             if job.kind == "offload" and self._in_place(r):
-                r.state, r.kept = State.WARM, r.w.keeps_bytes
+                r.state, r.kept = State.WARM, r.w.keeps_bytes or 0
             else:
                 r.state = State.COLD
             if r.queue:  # requests came while it left: load it again
@@ -585,7 +586,7 @@ class _Sim:
 
     def _in_place(self, r: _Res) -> bool:
         """Whether `r`'s warm copy stays on the device (`Weights.keeps_bytes`)."""
-        return self.opt.warm_tier and r.w.keeps_bytes > 0 and r.w.restore_s is not None
+        return self.opt.warm_tier and r.w.keeps_bytes is not None and r.w.restore_s is not None
 
     def _make_warm_room(self, v: _Res) -> bool:
         """Room in host RAM for `v`'s copy: the least recently kept copies leave for it."""
@@ -634,6 +635,6 @@ class _Sim:
             in_flight=r.in_flight + held, last_used=r.last_used, models=r.models,
             reload_s=r.load_s, rate_per_s=arrival_rate(r.arrivals, now),
             goes_warm=in_place, keeps_bytes=r.kept, restore_s=r.restore_s,
-            warm_bytes=r.w.keeps_bytes if in_place and r.warm else 0)
+            warm_bytes=(r.w.keeps_bytes or 0) if in_place and r.warm else 0)
 
 
