@@ -310,7 +310,7 @@ class FakeProbe:
     def settle(self) -> None:
         self.settles += 1
 
-    def mapped_file_bytes(self, device: str) -> int:
+    def mapped_file_bytes(self, device: str, path: Path) -> int:
         return 0
 
 

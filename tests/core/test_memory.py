@@ -58,19 +58,23 @@ def test_settle_freezes_the_live_objects_once_per_new_library() -> None:
 
 MAPS = """\
 7f0350200000-7f03558a9000 r--p 00000000 fe:00 5488650    /models/minilm/model.safetensors
+7f0350100000-7f0350200000 r--p 00000000 fe:00 5488651    /models/minilm/1_Pooling/x (deleted)
+7f0340000000-7f0341000000 r--p 00000000 fe:00 5488652    /models/minilm-other/model.safetensors
 7f0360000000-7f0364000000 rw-p 00000000 00:00 0
+7f0364000000-7f0365000000 rw-s 00000000 00:01 1234       /dev/zero (deleted)
+7f0365000000-7f0366000000 rw-s 00000000 00:19 99         /dev/shm/ray_object_store
 7f035f901000-7f035f93d000 r--p 00000000 fe:00 5374785    /lib/libsafetensors.so
 7ffd1c5e3000-7ffd1c604000 rw-p 00000000 00:00 0                          [stack]
 """
 
 
-def test_mapped_file_bytes_sums_the_file_mappings(tmp_path: Path) -> None:
+def test_mapped_file_bytes_sums_the_mappings_of_a_models_files(tmp_path: Path) -> None:
     maps = tmp_path / "maps"
     maps.write_text(MAPS)
-    # The weights' file and the library; anonymous memory and the stack are not files.
-    assert mapped_file_bytes(str(maps)) == (0x7f03558a9000 - 0x7f0350200000) + (
-        0x7f035f93d000 - 0x7f035f901000)
-
-
-def test_mapped_file_bytes_reads_this_process() -> None:
-    assert mapped_file_bytes() > 0  # the interpreter's own executable and libraries
+    # Its weights and a deleted file under its directory; not a sibling directory whose name
+    # starts alike, shared memory, libraries or anonymous memory.
+    assert mapped_file_bytes(Path("/models/minilm"), str(maps)) == (
+        0x7f03558a9000 - 0x7f0350200000) + (0x7f0350200000 - 0x7f0350100000)
+    assert mapped_file_bytes(Path("/models/minilm/model.safetensors"), str(maps)) == (
+        0x7f03558a9000 - 0x7f0350200000)
+    assert mapped_file_bytes(Path("/models/none"), str(maps)) == 0

@@ -80,6 +80,10 @@ VICTIM_CASES = [
          resident("b", 100, last_used=9)],
         100, 0, ("b",),
         id="a-warm-copy-that-frees-nothing-is-never-chosen"),
+    pytest.param(
+        [resident("h", 100, warm_mib=100, last_used=0), resident("b", 100, last_used=9)],
+        100, 0, ("h", "b"),
+        id="a-hot-one-whose-warm-copy-would-keep-it-all-is-still-named"),
 ]
 
 

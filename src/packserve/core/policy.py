@@ -124,13 +124,14 @@ def choose_victims(
     order: VictimOrder = lru_order,
 ) -> tuple[str, ...] | None:
     """Idle, unpinned, hot or warm residents in `order` until `need_bytes` fit; None if they
-    cannot. One whose eviction frees nothing (a warm copy counted at 0 bytes) is never named:
-    dropping it would only make its next load a whole one."""
+    cannot. A warm copy counted at 0 bytes is never named: dropping it frees nothing and
+    would only make its next load a whole one."""
     if need_bytes <= free_bytes:
         return ()
     victims: list[str] = []
     freed = free_bytes
-    for r in sorted((r for r in residents if r.evictable and r.frees > 0), key=order):
+    for r in sorted((r for r in residents if r.evictable and (r.frees > 0 or r.state is
+                                                               State.HOT)), key=order):
         victims.append(r.key)
         freed += r.frees
         if freed >= need_bytes:

@@ -1093,7 +1093,7 @@ class Scheduler:
         device = res.load.device
         self._probe.release(device)  # garbage from before is not the release's to claim
         before = self._probe.used_bytes(device)
-        mapped = self._probe.mapped_file_bytes(device)
+        mapped = self._probe.mapped_file_bytes(device, res.load.path)
         try:
             kept = backend.release_weights()
         except Exception:
@@ -1107,7 +1107,7 @@ class Scheduler:
         # read (MiniLM's unused vocabulary rows: most of its 45 MiB embedding table) were never
         # resident: unmapped now, they are freed too, though the resident set cannot show it.
         # `freed` counts the pages that were read, and maybe more: the larger of the two.
-        unmapped = max(0, mapped - self._probe.mapped_file_bytes(device))
+        unmapped = max(0, mapped - self._probe.mapped_file_bytes(device, res.load.path))
         return min(res.bytes, max(res.bytes - max(freed, unmapped), backend.weight_bytes(), 0))
 
     async def _retire(self, res: _Resident, reason: str) -> None:
