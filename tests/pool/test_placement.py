@@ -9,7 +9,7 @@ import concurrent.futures
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,15 +131,23 @@ def _kill(group: str, replica: str) -> None:
              no_restart=True)
 
 
-def test_an_embedding_lost_with_its_replica_is_sent_again(pool: Served) -> None:
+def _killed_mid_request(pool: Served, text: str,
+                        kill: Callable[[str], object]) -> tuple[str, httpx.Response]:
+    """Send an embedding of emb (`text` makes it slow), `kill` the replica it runs on once it
+    runs; that replica and the answer."""
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        future = ex.submit(_embed, pool, "emb", "lost @@sleep=2")
+        future = ex.submit(_embed, pool, "emb", text)
         view = _wait_for(pool, "the request running", lambda v: any(
             m["name"] == "emb" and m["in_flight"] for r in v for m in r["models"]))
         victim = next(r["replica"] for r in view for m in r["models"]
                       if m["name"] == "emb" and m["in_flight"])
-        _kill(SHARED, victim)
-        answer = future.result(timeout=WAIT_S)
+        kill(victim)
+        return victim, future.result(timeout=WAIT_S)
+
+
+def test_an_embedding_lost_with_its_replica_is_sent_again(pool: Served) -> None:
+    victim, answer = _killed_mid_request(pool, "lost @@sleep=2",
+                                         lambda replica: _kill(SHARED, replica))
     assert answer.headers["x-packserve-replica"] != victim
     metrics = httpx.get(f"{pool.url}/metrics", timeout=30).text
     assert 'packserve_pool_replica_lost_total{model="emb",outcome="retried"}' in metrics
@@ -229,14 +237,10 @@ def test_an_embedding_whose_node_dies_is_sent_to_another_replica(pool: Served) -
     # the dying replica. Killed before it is sent, Ray Serve's health check (every 2 s) can
     # see the replica unhealthy first and route the request elsewhere with no retry at all.
     before = _retried(pool)
-    with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        future = ex.submit(_embed, pool, "emb", "there @@sleep=3")
-        view = _wait_for(pool, "the request running", lambda v: any(
-            m["name"] == "emb" and m["in_flight"] for r in v for m in r["models"]))
-        first = next(r["replica"] for r in view for m in r["models"]
-                     if m["name"] == "emb" and m["in_flight"])
-        os.kill(_node_pid(SHARED, first), signal.SIGKILL)  # the replica lives, its node does not
-        answer = future.result(timeout=WAIT_S)
+    # The replica lives, its node does not.
+    first, answer = _killed_mid_request(
+        pool, "there @@sleep=3", lambda replica: os.kill(_node_pid(SHARED, replica),
+                                                         signal.SIGKILL))
     assert answer.headers["x-packserve-replica"] != first
     assert _retried(pool) == before + 1
     # Ray Serve's health check sees the node gone and replaces the replica.

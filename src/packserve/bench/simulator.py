@@ -405,15 +405,14 @@ class _Sim:
         r = self.res[m.weights]
         r.arrivals.append(self.clock.now)
         req = _Req(t.at, t.model, m.task, m.service.seconds(t.words, t.max_tokens))
-        slo = self.slo
+        slo, turn = self.slo, self.opt.load_turn
         waiting = r.turn.queue if r.turn is not None else ()
-        due = min((q.at + slo.get(q.task, 4.0) for q in waiting), default=math.inf)
-        at_risk = min((q.at + self.opt.load_turn * slo.get(q.task, 4.0) for q in waiting),
-                      default=math.inf)
-        if self.clock.now >= at_risk and self.clock.now + slo.get(m.task, 4.0) >= due:
+        due = min((q.at + slo[q.task] for q in waiting), default=math.inf)
+        at_risk = min((q.at + turn * slo[q.task] for q in waiting), default=math.inf)
+        if self.clock.now >= at_risk and self.clock.now + slo[m.task] >= due:
             # behind a load that waits for it, one of whose requests has waited load_turn of
             # its SLO, and that serves requests due no later, as `acquire`
-            until = self.clock.now + self.opt.load_turn * slo.get(m.task, 4.0)
+            until = self.clock.now + turn * slo[m.task]
             r.parked.append((until, req))
             self._hold(until)
             return
@@ -519,7 +518,9 @@ class _Sim:
             if plan.verdict is Verdict.NEVER_FITS:
                 self.lock.popleft()
                 self._end_turns(target)
-                target.state = State.COLD  # its requests stay queued: never served
+                # its requests stay queued: never served; a warm copy on the device stays
+                target.state = State.WARM if target.warm and self._in_place(target) \
+                    else State.COLD
                 continue
             if plan.verdict is Verdict.WAIT_FOR_BUSY:
                 self._end_turns(target, keep=plan.draining)

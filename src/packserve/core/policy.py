@@ -54,12 +54,14 @@ class ResidentView:
     def evictable(self) -> bool:
         """Idle, unpinned, and hot (to warm, or to cold) or warm (to cold); or a warm copy whose
         own load waits for memory (its copy goes cold, its load becomes a whole one: were it
-        kept, two warm models asked at once could each wait for the other's copy)."""
+        kept, two warm models asked at once could each wait for the other's copy). A warm copy
+        counted at 0 bytes never is: dropping it frees nothing and would only make its next
+        load a whole one."""
         if self.pinned:
             return False
-        if self.state is State.ADMITTING:
-            return self.warm_bytes > 0
-        return self.state in (State.HOT, State.WARM) and self.in_flight == 0
+        if self.state in (State.ADMITTING, State.WARM):
+            return self.warm_bytes > 0 and (self.state is State.ADMITTING or self.in_flight == 0)
+        return self.state is State.HOT and self.in_flight == 0
 
     @property
     def frees(self) -> int:
@@ -124,14 +126,12 @@ def choose_victims(
     order: VictimOrder = lru_order,
 ) -> tuple[str, ...] | None:
     """Idle, unpinned, hot or warm residents in `order` until `need_bytes` fit; None if they
-    cannot. A warm copy counted at 0 bytes is never named: dropping it frees nothing and
-    would only make its next load a whole one."""
+    cannot."""
     if need_bytes <= free_bytes:
         return ()
     victims: list[str] = []
     freed = free_bytes
-    for r in sorted((r for r in residents if r.evictable and (r.frees > 0 or r.state is
-                                                               State.HOT)), key=order):
+    for r in sorted((r for r in residents if r.evictable), key=order):
         victims.append(r.key)
         freed += r.frees
         if freed >= need_bytes:

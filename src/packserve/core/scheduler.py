@@ -580,8 +580,8 @@ class Scheduler:
         status, outcome = 200, "ok"
         lease: Lease | None = None
         try:
-            due = self._deadline(t_enter, slo_s)
-            await self._ensure_hot(res, due=(due, t_enter + self._load_turn * (due - t_enter)))
+            slo = self._slo(slo_s)
+            await self._ensure_hot(res, due=(t_enter + slo, t_enter + self._load_turn * slo))
             t_ready = self._clock()
             assert res.runner is not None
             lease = Lease(model=name, task=task, runner=res.runner)
@@ -629,18 +629,20 @@ class Scheduler:
                 self._give_slot(model)  # the slot was handed to us as we were cancelled
             raise
 
-    def _deadline(self, t_enter: float, slo_s: float | None) -> float:
-        return t_enter + (self._load_wait_s if slo_s is None else slo_s)
+    def _slo(self, slo_s: float | None) -> float:
+        """A request's SLO; `load_wait_s` for a caller that gives none."""
+        return self._load_wait_s if slo_s is None else slo_s
 
     async def _wait_turn(self, res: _Resident, t_enter: float, slo_s: float | None) -> None:
         """Wait while a load waits for `res` to drain that began waiting before this request
         came, has kept one of its requests waiting `load_turn` of its SLO, and serves requests
         due before this one (earliest deadline first, as compute)."""
         turn = res.turn
+        slo = self._slo(slo_s)
         if (turn is None or t_enter < max(turn.since, turn.load.at_risk)
-                or self._deadline(t_enter, slo_s) < turn.load.due):
+                or t_enter + slo < turn.load.due):
             return
-        limit = self._load_turn * (self._load_wait_s if slo_s is None else slo_s)
+        limit = self._load_turn * slo
         log.debug("request for %s waits up to %.2fs behind the load of %s", res.label, limit,
                   turn.load.label)
         with contextlib.suppress(TimeoutError):
