@@ -30,18 +30,27 @@ llama_flags+=" -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML
 llama_flags+=" -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF"
 llama_flags+=" -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 llama_flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
+# The source gets the patches in scripts/patches/ first (each says why; docs/reliability.md lists
+# them), and the build fails if one no longer applies.
+patches=(scripts/patches/llama-cpp-python-*.patch)
 # pip's wheel cache does not key on CMAKE_ARGS, so the wheel is built with pip's cache off and
 # kept here, keyed by everything that changes what is built: a clean clone on this machine reuses
-# it, a change of flags or version builds anew.
+# it, a change of flags, patches or version builds anew.
 py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
-llama_key=$(printf '%s\n' "$llama_version" "$llama_flags" "$py_tag" | sha256sum | cut -c1-16)
+llama_key=$( (printf '%s\n' "$llama_version" "$llama_flags" "$py_tag"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
 if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX; ~6 min) into $wheel_dir" >&2
-  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
-  CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps --no-binary llama-cpp-python \
-    -w "$wheel_dir.partial" "llama-cpp-python==$llama_version"
-  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
+  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, ${#patches[@]} patches; ~6 min) into $wheel_dir" >&2
+  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial/src"
+  pip download -q --no-cache-dir --no-deps --no-binary :all: -d "$wheel_dir.partial/src" \
+    "llama-cpp-python==$llama_version"
+  tar -xzf "$wheel_dir.partial/src"/llama_cpp_python-"$llama_version".tar.gz -C "$wheel_dir.partial/src"
+  source_dir="$wheel_dir.partial/src/llama_cpp_python-$llama_version"
+  for p in "${patches[@]}"; do
+    patch -p1 --batch --quiet -d "$source_dir" < "$p"
+  done
+  CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
+  rm -rf "$wheel_dir.partial/src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
 fi
 # An older .venv may hold a native build under the same version number: replace it unless it is
 # the one built with these flags.

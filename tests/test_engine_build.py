@@ -186,6 +186,30 @@ def test_the_cpu_library_uses_the_avx2_baseline(scans: list[Scan]) -> None:
     assert sum(s.ymm for s in cpu) > 1000, [(s.library, s.ymm) for s in cpu]
 
 
+def test_one_cpu_backend_so_every_cpu_makes_the_same_choices() -> None:
+    """With one CPU library (no GGML_BACKEND_DL variants picked by cpuid at run time), ggml
+    chooses its kernels and which weights it repacks at compile time (`ggml_cpu_has_avx2` and
+    the like are `#if`s): the same wheel holds the same memory on an AMD EPYC and on an Intel
+    Xeon, which is what keeps the footprint estimate true on both (issue 13)."""
+    cpu = [p.name for p in llama_libraries() if p.name.startswith("libggml-cpu")]
+    assert len(cpu) == 1, f"expected one CPU backend library, found {cpu}"
+
+
+def test_the_build_carries_packserves_patches() -> None:
+    """scripts/patches/llama-cpp-python-metadata-dump.patch: the loader's metadata log stops
+    formatting a tokenizer array at its 40 shown characters. The patched function takes a
+    third argument, so its mangled name ends in `im` (int, size_t) instead of `i`."""
+    if shutil.which("nm") is None:
+        pytest.fail("nm is not on PATH: install binutils (apt-get install binutils)")
+    libllama = next(p for p in llama_libraries() if p.name.startswith("libllama"))
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(libllama)], capture_output=True,
+                             text=True, check=True).stdout
+    names = [line.split()[-1] for line in symbols.splitlines() if "gguf_kv_to_str" in line]
+    assert names and all(n.endswith("PK12gguf_contextim") for n in names), (
+        f"{libllama.name} was built without scripts/patches/ (gguf_kv_to_str: {names}): "
+        f"rebuild it with scripts/setup.sh")
+
+
 # --- the matcher itself --------------------------------------------------------------------
 
 SAMPLE = """\
