@@ -40,6 +40,11 @@ ENV_CONTROL_FD = "PACKSERVE_CONTROL_FD"
 ENV_QUARANTINE = "PACKSERVE_QUARANTINE"
 ENV_FRONT_PID = "PACKSERVE_FRONT_PID"
 
+# How long the worker keeps an idle connection from the front open: far longer than the front
+# keeps one for its next request (packserve.front.upstream.IDLE_S), so that the worker never
+# closes a connection the front is about to use.
+KEEP_ALIVE_S = 300
+
 # The worker's exit status when its config cannot be served (a source missing, pins that do
 # not fit): the front stops instead of restarting it.
 EXIT_CONFIG = 2
@@ -173,7 +178,7 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
 
     server = uvicorn_server.Server(uvicorn_server.Config(
         app, uds=socket_path, log_level=config.server.log_level, lifespan="on",
-        access_log=config.server.access_log,
+        access_log=config.server.access_log, timeout_keep_alive=KEEP_ALIVE_S,
         ws="none",  # no websocket routes; "auto" imports the websockets library (~1 MiB)
         # The front sends SIGTERM only once it has drained its own requests: what is left is
         # gone (its client too), so the worker shuts down at once and unloads its models.

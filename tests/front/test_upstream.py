@@ -1,18 +1,27 @@
 """The front's relay client (front.upstream) against a Unix-socket server that answers with
-bytes written here: what it sends, bodies whole and chunked, and every way a connection fails."""
+bytes written here: what it sends, bodies whole and chunked, every way a connection fails, and
+which connections are kept alive for the next request."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from packserve.front.upstream import UpstreamError, request
+from packserve.front.upstream import Pool, UpstreamError, request
 from tests.factories import fake_config, serve_process
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+POOLS: list[Pool] = []
+
+
+def pool_of(sock: str, **kwargs: Any) -> Pool:
+    """A pool that `run` closes at the end."""
+    POOLS.append(Pool(sock, **kwargs))
+    return POOLS[-1]
 
 
 def run(tmp_path: Path, handler: Handler,
@@ -28,7 +37,12 @@ def run(tmp_path: Path, handler: Handler,
     async def main() -> object:
         server = await asyncio.start_unix_server(closing, path=sock)
         async with server:
-            return await asyncio.wait_for(client(sock), 10)
+            try:
+                return await asyncio.wait_for(client(sock), 10)
+            finally:
+                for pool in POOLS:  # what the supervisor does when its worker goes
+                    pool.close()
+                POOLS.clear()
 
     return asyncio.run(main())
 
@@ -51,7 +65,7 @@ def test_a_request_goes_out_whole_and_its_answer_comes_back(tmp_path: Path) -> N
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "POST", b"/v1/embeddings?x=1",
+        up = await request(pool_of(sock), "POST", b"/v1/embeddings?x=1",
                            [(b"host", b"example:8000"), (b"x-request-id", b"r1")], b'{"a": 1}')
         try:
             return up.status, up.header(b"content-type"), up.header(b"X-Request-Id"), \
@@ -62,7 +76,7 @@ def test_a_request_goes_out_whole_and_its_answer_comes_back(tmp_path: Path) -> N
     assert run(tmp_path, handler, client) == (201, b"application/json", b"r1", b'{"ok": true}')
     head, body = seen[0]
     assert head.startswith(b"POST /v1/embeddings?x=1 HTTP/1.1\r\n")
-    assert b"host: example:8000\r\n" in head and b"connection: close\r\n" in head
+    assert b"host: example:8000\r\n" in head and b"connection:" not in head  # kept alive
     assert body == b'{"a": 1}'
 
 
@@ -80,7 +94,7 @@ def test_a_chunked_stream_comes_as_its_pieces_arrive(tmp_path: Path) -> None:
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "GET", b"/s", [], b"")
+        up = await request(pool_of(sock), "GET", b"/s", [], b"")
         got = []
         async for piece in up.chunks():
             got.append(piece)
@@ -99,7 +113,7 @@ def test_a_head_answer_has_no_body_to_wait_for(tmp_path: Path) -> None:
         await asyncio.sleep(5)  # neither body nor close: a client waiting for 500 bytes hangs
 
     async def client(sock: str) -> object:
-        up = await request(sock, "HEAD", b"/", [], b"")
+        up = await request(pool_of(sock), "HEAD", b"/", [], b"")
         try:
             return up.status, await up.read()
         finally:
@@ -120,7 +134,7 @@ def test_a_connection_that_ends_early_or_garbled_is_an_upstream_error(
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "GET", b"/", [], b"")
+        up = await request(pool_of(sock), "GET", b"/", [], b"")
         try:
             return await up.read()
         finally:
@@ -132,7 +146,7 @@ def test_a_connection_that_ends_early_or_garbled_is_an_upstream_error(
 
 def test_no_worker_listening_is_an_upstream_error(tmp_path: Path) -> None:
     async def main() -> None:
-        await request(str(tmp_path / "gone.sock"), "GET", b"/", [], b"")
+        await request(Pool(str(tmp_path / "gone.sock")), "GET", b"/", [], b"")
 
     with pytest.raises(UpstreamError, match="cannot connect"):
         asyncio.run(main())
@@ -150,7 +164,7 @@ def test_a_client_that_leaves_closes_the_workers_connection(tmp_path: Path) -> N
         writer.close()
 
     async def client(sock: str) -> object:
-        up = await request(sock, "GET", b"/", [], b"")
+        up = await request(pool_of(sock), "GET", b"/", [], b"")
         pieces = up.chunks()
         first = await pieces.__anext__()
         await pieces.aclose()
@@ -168,3 +182,129 @@ def test_the_front_relays_the_path_as_the_client_encoded_it(tmp_path: Path) -> N
         assert r.status_code == 404, r.text
         assert "café au lait" in r.json()["error"]["message"]
         assert c.get("/v1/models", params={"q": "a b&c"}).status_code == 200
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+def serving(answers: list[bytes], connections: list[int]) -> Handler:
+    """A handler answering requests on one connection in turn, for as long as it stays open;
+    `connections` gets one entry per connection, the number of requests it carried."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(0)
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:  # the client closed it
+                return
+            connections[-1] += 1
+            writer.write(answers.pop(0))
+            await writer.drain()
+    return handler
+
+
+async def fetch(pool: Pool) -> bytes:
+    up = await request(pool, "POST", b"/x", [], b"{}")
+    try:
+        return await up.read()
+    finally:
+        up.close()
+
+
+def test_a_connection_whose_answer_was_read_whole_carries_the_next_request(
+        tmp_path: Path) -> None:
+    connections: list[int] = []
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        got = [await fetch(pool) for _ in range(3)]
+        return got, pool.opened, pool.idle
+
+    assert run(tmp_path, serving([OK] * 3, connections), client) == ([b"ok"] * 3, 1, 1)
+    assert connections == [3]
+
+
+def test_a_connection_is_not_used_again_when_its_answer_was_not_read_to_the_end(
+        tmp_path: Path) -> None:
+    """A relay whose client left closes the connection (the worker must see it go): it never
+    returns to the pool."""
+    connections: list[int] = []
+    started = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n"
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        up = await request(pool, "POST", b"/x", [], b"{}")
+        assert await up.chunks().__anext__() == b"a"
+        up.close()
+        await fetch(pool)
+        return pool.opened
+
+    assert run(tmp_path, serving([started, OK], connections), client) == 2
+    assert connections == [1, 1]
+
+
+def test_a_worker_that_says_it_closes_gets_a_new_connection_next_time(tmp_path: Path) -> None:
+    connections: list[int] = []
+    closing = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok"
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        return [await fetch(pool), await fetch(pool)], pool.opened
+
+    assert run(tmp_path, serving([closing, OK], connections), client) == ([b"ok"] * 2, 2)
+
+
+def test_an_idle_connection_is_dropped_before_the_worker_would_drop_it(tmp_path: Path) -> None:
+    from packserve.worker import KEEP_ALIVE_S
+
+    now = [0.0]
+    connections: list[int] = []
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock, idle_s=30, clock=lambda: now[0])
+        await fetch(pool)
+        now[0] += 29
+        await fetch(pool)  # fresh enough: used again
+        now[0] += 31
+        await fetch(pool)  # idle too long: closed, and a new one opened
+        return pool.opened
+
+    assert run(tmp_path, serving([OK] * 3, connections), client) == 2
+    assert connections == [2, 1]
+    assert Pool("x")._idle_s < KEEP_ALIVE_S / 2
+
+
+def test_a_closed_pool_keeps_nothing(tmp_path: Path) -> None:
+    """What the supervisor does when a worker dies: its connections are closed, and a response
+    still being read when it died does not bring one back."""
+    connections: list[int] = []
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        await fetch(pool)
+        up = await request(pool, "POST", b"/x", [], b"{}")
+        pool.close()
+        assert await up.read() == b"ok"
+        up.close()
+        return pool.idle, pool.opened
+
+    assert run(tmp_path, serving([OK, OK], connections), client) == (0, 1)
+
+
+def test_a_pooled_connection_the_worker_closed_is_not_used(tmp_path: Path) -> None:
+    """A worker gone between two requests (it died; its socket file stays until the front
+    notices): the dead connection is not written to, and the new connect fails as before."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        writer.close()  # after the answer, without saying so in its headers
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        first = await fetch(pool)
+        await asyncio.sleep(0.1)  # the close reaches the front's side
+        second = await fetch(pool)
+        return first, second, pool.opened
+
+    assert run(tmp_path, handler, client) == (b"ok", b"ok", 2)

@@ -348,7 +348,7 @@ async def _forward(front: Front, call: _Call) -> Response:
 async def _send(front: Front, worker: Worker, call: _Call) -> Response:
     """One try. A stream's response starts as soon as the worker's does (its lease is taken);
     anything else is read whole first, so a crash before the end can still be answered."""
-    upstream = await upstream_request(str(worker.socket_path), call.method, call.target,
+    upstream = await upstream_request(worker.pool, call.method, call.target,
                                       call.headers, call.body)
     headers = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_RESPONSE]
     if upstream.header(b"content-type").startswith(b"text/event-stream"):

@@ -111,6 +111,10 @@ class Worker:
     loading: dict[str, int] = field(default_factory=dict)
     pipe_done: asyncio.Event = field(default_factory=asyncio.Event)
     pending: str = ""  # what it said it is busy with before it can serve (first-start work)
+    pool: upstream.Pool = field(init=False)  # kept-alive connections; closed when it dies
+
+    def __post_init__(self) -> None:
+        self.pool = upstream.Pool(str(self.socket_path))
 
     @property
     def pid(self) -> int:
@@ -119,7 +123,7 @@ class Worker:
     async def call(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         """The front's own request to this worker (not a client's): status and body. Raises
         `UpstreamError`; the caller bounds it with `asyncio.timeout`."""
-        return await upstream.call(str(self.socket_path), method, path, body)
+        return await upstream.call(self.pool, method, path, body)
 
     def on_line(self, line: bytes) -> None:
         try:
@@ -354,6 +358,7 @@ class Supervisor:
                 else:
                     crash = self._charge(worker, rc)
         finally:
+            worker.pool.close()
             if not worker.dead.done():
                 worker.dead.set_result(crash)
             self._notify()

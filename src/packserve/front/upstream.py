@@ -1,5 +1,6 @@
 """The front's client for relaying requests to its worker: HTTP/1.1 over the worker's Unix
-socket, one connection per request, responses parsed by httptools (uvicorn's own parser).
+socket, connections kept alive in a `Pool` per worker, responses parsed by httptools (uvicorn's
+own parser).
 
 Why not httpx: relaying a small request through httpx's AsyncClient cost the front several
 times the CPU of this, on the same cores the worker's engines need (`packserve bench overhead`
@@ -9,6 +10,14 @@ httpcore, h11, http.cookiejar). The front's own calls (health pings, the config 
 packserve's own worker (uvicorn), so this needs no redirects, cookies, proxies or content
 decoding: a request line, headers, a body, and a response read as it comes.
 
+Kept-alive connections: opening and closing a connection for each relayed request took 18% of
+the front's samples under 16 single-sentence clients (`packserve bench overhead --profile`,
+docs/benchmarks.md), and the worker paid for it too. A connection goes back to its pool only
+after a whole response was read; one whose client left mid-response is closed, so that the
+worker sees its client go. The pool drops a connection idle for `IDLE_S`, well before the
+worker's own keep-alive timeout (`packserve.worker.KEEP_ALIVE_S`): the worker never closes a
+connection the front may be about to use, so a connection that fails means a worker that failed.
+
 Any failure of the connection, before or during the response, is an `UpstreamError`: the
 front then asks its supervisor whether the worker died (front.app).
 """
@@ -16,11 +25,14 @@ front then asks its supervisor whether the worker died (front.app).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import httptools
 
 _READ = 1 << 16
+IDLE_S = 30.0  # a kept-alive connection idle longer is closed, not used
+MAX_IDLE = 64  # kept-alive connections per worker; more are closed when their response ends
 
 
 class UpstreamError(Exception):
@@ -35,6 +47,9 @@ class _Parser:
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
         self.done = False
+        self.extra = False  # bytes came after the response's end
+        self.keep_alive = False  # the worker may take another request on the connection
+        self.http: httptools.HttpResponseParser | None = None
         self.pieces: list[bytes] = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -42,6 +57,9 @@ class _Parser:
 
     def on_headers_complete(self) -> None:
         self.head_done = True
+        # Here: httptools forgets it once the message is complete, which may be in the same
+        # feed as the head.
+        self.keep_alive = self.http is not None and self.http.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.pieces.append(body)
@@ -50,13 +68,68 @@ class _Parser:
         self.done = True
 
 
+class Pool:
+    """The front's connections to one worker's socket: idle ones kept alive for the next
+    request, newest first. A worker's pool dies with it (`close`); the next worker has another
+    socket and another pool."""
+
+    def __init__(self, socket_path: str, *, idle_s: float = IDLE_S, max_idle: int = MAX_IDLE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.socket_path = socket_path
+        self._idle_s = idle_s
+        self._max_idle = max_idle
+        self._clock = clock
+        self._idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._closed = False
+        self.opened = 0  # connections opened over the pool's life
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """An idle connection that is still open and fresh, else a new one."""
+        now = self._clock()
+        while self._idle:
+            since, reader, writer = self._idle.pop()
+            if now - since <= self._idle_s and _open(reader, writer):
+                return reader, writer
+            writer.close()
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=_READ)
+        except OSError as exc:  # refused, or the socket file is gone: the worker is not there
+            raise UpstreamError(f"cannot connect to the worker: {exc}") from exc
+        self.opened += 1
+        return reader, writer
+
+    def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Keep a connection whose response was read to its end, or close it."""
+        if self._closed or len(self._idle) >= self._max_idle or not _open(reader, writer):
+            writer.close()
+            return
+        self._idle.append((self._clock(), reader, writer))
+
+    def close(self) -> None:
+        """Close the idle connections and keep none from now on (the worker is gone)."""
+        self._closed = True
+        for _, _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+def _open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    return not writer.is_closing() and not reader.at_eof() and reader.exception() is None
+
+
 class Upstream:
     """One response from the worker, its head read; the body is read by `read` or `chunks`.
-    `close` (always call it) drops the connection: a worker still generating sees its client
-    go and stops."""
+    `close` (always call it) gives the connection back to its pool if the response was read
+    to its end, else drops it: a worker still generating sees its client go and stops."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 parser: _Parser, http: httptools.HttpResponseParser, head_only: bool) -> None:
+    def __init__(self, pool: Pool, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, parser: _Parser,
+                 http: httptools.HttpResponseParser, head_only: bool) -> None:
+        self._pool = pool
         self._reader = reader
         self._writer = writer
         self._parser = parser
@@ -64,6 +137,7 @@ class Upstream:
         self.status = http.get_status_code()
         self.headers = parser.headers
         self._done = head_only
+        self._closed = False
 
     def header(self, name: bytes) -> bytes:
         name = name.lower()
@@ -86,30 +160,34 @@ class Upstream:
         return b"".join([piece async for piece in self.chunks()])
 
     def close(self) -> None:
-        self._writer.close()
+        if self._closed:
+            return
+        self._closed = True
+        if (self._parser.done and not self._parser.extra and not self._done
+                and self._parser.keep_alive):
+            self._pool.give_back(self._reader, self._writer)
+        else:  # mid-response, a HEAD's (no end to see), or the worker said it closes
+            self._writer.close()
 
 
-async def request(socket_path: str, method: str, target: bytes,
+async def request(pool: Pool, method: str, target: bytes,
                   headers: Sequence[tuple[bytes, bytes]], body: bytes) -> Upstream:
     """Send one request and read the response's head. `target`: the path and query as the
     client sent them (percent-encoded)."""
-    try:
-        reader, writer = await asyncio.open_unix_connection(socket_path, limit=_READ)
-    except OSError as exc:  # refused, or the socket file is gone: the worker is not there
-        raise UpstreamError(f"cannot connect to the worker: {exc}") from exc
+    reader, writer = await pool.connect()
     try:
         head = [method.encode("ascii") + b" " + target + b" HTTP/1.1\r\n"]
         if not any(k.lower() == b"host" for k, _ in headers):
             head.append(b"host: packserve-worker\r\n")
         head.extend(k + b": " + v + b"\r\n" for k, v in headers)
-        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
         writer.write(b"".join(head) + body)
         await writer.drain()
         parser = _Parser()
-        http = httptools.HttpResponseParser(parser)
+        http = parser.http = httptools.HttpResponseParser(parser)
         while not parser.head_done:
             await _feed(reader, http, parser)
-        return Upstream(reader, writer, parser, http, head_only=method == "HEAD")
+        return Upstream(pool, reader, writer, parser, http, head_only=method == "HEAD")
     except UpstreamError:
         writer.close()
         raise
@@ -133,16 +211,17 @@ async def _feed(reader: asyncio.StreamReader, http: httptools.HttpResponseParser
         http.feed_data(data)
     except httptools.HttpParserError as exc:
         if parser.done:  # bytes after the response's end: nothing of this response
+            parser.extra = True  # and the connection is not used again
             return
         raise UpstreamError(f"the worker's response could not be read: {exc}") from exc
 
 
 
-async def call(socket_path: str, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+async def call(pool: Pool, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
     """One whole request of the front's own (not a client's): its status and body. Raises
     `UpstreamError`; the caller bounds it with `asyncio.timeout`."""
     headers = [(b"content-type", b"application/json")] if body else []
-    upstream = await request(socket_path, method, path.encode("ascii"), headers, body)
+    upstream = await request(pool, method, path.encode("ascii"), headers, body)
     try:
         return upstream.status, await upstream.read()
     finally:
