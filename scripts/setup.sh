@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Set up packserve in .venv of this checkout: dependencies, model packages, packserve itself.
-# Safe to run again: it does nothing when requirements.txt, pyproject.toml and this script are
-# unchanged; a .venv set up by an older version of this script is brought up to date.
+# Safe to run again: it does nothing when requirements.txt, pyproject.toml, scripts/patches/ and this
+# script are unchanged; a .venv set up by an older version of this script is brought up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
-want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -40,14 +40,14 @@ py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[
 llama_key=$( (printf '%s\n' "$llama_version" "$llama_flags" "$py_tag"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
 if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, ${#patches[@]} patches; ~6 min) into $wheel_dir" >&2
+  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
   rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial/src"
-  pip download -q --no-cache-dir --no-deps --no-binary :all: -d "$wheel_dir.partial/src" \
+  pip download -q --no-cache-dir --no-deps --no-binary llama-cpp-python -d "$wheel_dir.partial/src" \
     "llama-cpp-python==$llama_version"
   tar -xzf "$wheel_dir.partial/src"/llama_cpp_python-"$llama_version".tar.gz -C "$wheel_dir.partial/src"
   source_dir="$wheel_dir.partial/src/llama_cpp_python-$llama_version"
   for p in "${patches[@]}"; do
-    patch -p1 --batch --quiet -d "$source_dir" < "$p"
+    patch -p1 --forward --fuzz=0 --quiet -d "$source_dir" < "$p"
   done
   CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
   rm -rf "$wheel_dir.partial/src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"

@@ -21,11 +21,14 @@ def test_a_hung_worker_is_killed_charged_and_replaced(tmp_path: Path) -> None:
         try:
             worker = await supervisor.wait_up(120)
             assert worker is not None
+            assert worker.pool.idle == 1  # the health checks' kept-alive connection
             os.kill(worker.pid, signal.SIGSTOP)  # answers nothing, never dies by itself
             crash = await asyncio.wait_for(asyncio.shield(worker.dead), 30)
             assert crash is not None and crash.cause == "SIGKILL"
+            assert worker.pool.idle == 0  # closed with its worker
             replacement = await supervisor.wait_up(120)
             assert replacement is not None and replacement.pid != worker.pid
+            assert replacement.pool is not worker.pool
             assert supervisor.view()["crashes"] == 1
         finally:
             await supervisor.stop()

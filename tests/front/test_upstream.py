@@ -308,3 +308,87 @@ def test_a_pooled_connection_the_worker_closed_is_not_used(tmp_path: Path) -> No
         return first, second, pool.opened
 
     assert run(tmp_path, handler, client) == (b"ok", b"ok", 2)
+
+
+def test_a_head_answer_leaves_its_connection_out_of_the_pool(tmp_path: Path) -> None:
+    """A HEAD's answer has a length and no body: the end of the message cannot be seen on the
+    wire, so the connection is not used again."""
+    connections: list[int] = []
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 500\r\n\r\n"
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        up = await request(pool, "HEAD", b"/", [], b"")
+        assert await up.read() == b""
+        up.close()
+        return pool.idle
+
+    assert run(tmp_path, serving([head], connections), client) == 0
+
+
+def test_bytes_after_the_answer_are_not_read_as_its_body_nor_kept(tmp_path: Path) -> None:
+    connections: list[int] = []
+    two = OK + b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nxyz"
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        return await fetch(pool), pool.idle
+
+    assert run(tmp_path, serving([two], connections), client) == (b"ok", 0)
+
+
+def test_a_kept_alive_connection_closed_before_its_answer_began_is_tried_once_more(
+        tmp_path: Path) -> None:
+    """The worker closes idle connections only after KEEP_ALIVE_S, but if one is closed as the
+    next request goes out, that request (never read) goes again on a new connection."""
+    seen: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(len(seen))
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        if len(seen) == 1:  # the first connection: closed when the next request arrives
+            await reader.read(1)
+            writer.close()
+            return
+        await asyncio.sleep(5)
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        return await fetch(pool), await fetch(pool), pool.opened
+
+    assert run(tmp_path, handler, client) == (b"ok", b"ok", 2)
+
+
+def test_a_new_connection_that_fails_before_its_answer_is_not_tried_again(
+        tmp_path: Path) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.close()
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock)
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await fetch(pool)
+        return pool.opened
+
+    assert run(tmp_path, handler, client) == 1
+
+
+def test_idle_connections_past_their_time_are_closed_oldest_first(tmp_path: Path) -> None:
+    now = [0.0]
+    connections: list[int] = []
+
+    async def client(sock: str) -> object:
+        pool = pool_of(sock, idle_s=30, clock=lambda: now[0])
+        ups = [await request(pool, "POST", b"/x", [], b"{}") for _ in range(3)]
+        for up in ups:
+            await up.read()
+            up.close()
+            now[0] += 10  # given back at 0, 10 and 20 s
+        now[0] = 45  # the first two have been idle for over 30 s
+        await fetch(pool)  # takes the newest
+        return pool.idle, pool.opened
+
+    assert run(tmp_path, serving([OK] * 4, connections), client) == (1, 3)

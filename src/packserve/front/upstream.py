@@ -15,8 +15,9 @@ the front's samples under 16 single-sentence clients (`packserve bench overhead 
 docs/benchmarks.md), and the worker paid for it too. A connection goes back to its pool only
 after a whole response was read; one whose client left mid-response is closed, so that the
 worker sees its client go. The pool drops a connection idle for `IDLE_S`, well before the
-worker's own keep-alive timeout (`packserve.worker.KEEP_ALIVE_S`): the worker never closes a
-connection the front may be about to use, so a connection that fails means a worker that failed.
+worker's own keep-alive timeout (`packserve.worker.KEEP_ALIVE_S`), so the worker does not close
+a connection the front is about to use; should it happen anyway, `request` tries once more on a
+new connection (its docstring says why that sends nothing twice).
 
 Any failure of the connection, before or during the response, is an `UpstreamError`: the
 front then asks its supervisor whether the worker died (front.app).
@@ -47,22 +48,31 @@ class _Parser:
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
         self.done = False
+        self.started = False  # a byte of the response came
         self.extra = False  # bytes came after the response's end
         self.keep_alive = False  # the worker may take another request on the connection
         self.http: httptools.HttpResponseParser | None = None
         self.pieces: list[bytes] = []
 
+    def on_message_begin(self) -> None:
+        if self.done:  # a second response on the connection: the worker sent what it may not
+            self.extra = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.done:
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.done:
+            return
         self.head_done = True
         # Here: httptools forgets it once the message is complete, which may be in the same
         # feed as the head.
         self.keep_alive = self.http is not None and self.http.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
-        self.pieces.append(body)
+        if not self.done:
+            self.pieces.append(body)
 
     def on_message_complete(self) -> None:
         self.done = True
@@ -87,27 +97,39 @@ class Pool:
     def idle(self) -> int:
         return len(self._idle)
 
-    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """An idle connection that is still open and fresh, else a new one."""
-        now = self._clock()
-        while self._idle:
-            since, reader, writer = self._idle.pop()
-            if now - since <= self._idle_s and _open(reader, writer):
-                return reader, writer
+    async def connect(self, *, fresh: bool = False
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """An idle connection that is still open (unless `fresh`), else a new one; and whether
+        it was used before."""
+        self._expire()
+        while self._idle and not fresh:
+            _, reader, writer = self._idle.pop()
+            if _open(reader, writer):
+                return reader, writer, True
             writer.close()
         try:
             reader, writer = await asyncio.open_unix_connection(self.socket_path, limit=_READ)
         except OSError as exc:  # refused, or the socket file is gone: the worker is not there
             raise UpstreamError(f"cannot connect to the worker: {exc}") from exc
         self.opened += 1
-        return reader, writer
+        return reader, writer, False
 
     def give_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Keep a connection whose response was read to its end, or close it."""
+        self._expire()
         if self._closed or len(self._idle) >= self._max_idle or not _open(reader, writer):
             writer.close()
             return
         self._idle.append((self._clock(), reader, writer))
+
+    def _expire(self) -> None:
+        """Close the connections idle for longer than `idle_s` (the oldest are first)."""
+        limit = self._clock() - self._idle_s
+        stale = 0
+        while stale < len(self._idle) and self._idle[stale][0] < limit:
+            self._idle[stale][2].close()
+            stale += 1
+        del self._idle[:stale]
 
     def close(self) -> None:
         """Close the idle connections and keep none from now on (the worker is gone)."""
@@ -173,30 +195,41 @@ class Upstream:
 async def request(pool: Pool, method: str, target: bytes,
                   headers: Sequence[tuple[bytes, bytes]], body: bytes) -> Upstream:
     """Send one request and read the response's head. `target`: the path and query as the
-    client sent them (percent-encoded)."""
-    reader, writer = await pool.connect()
-    try:
-        head = [method.encode("ascii") + b" " + target + b" HTTP/1.1\r\n"]
-        if not any(k.lower() == b"host" for k, _ in headers):
-            head.append(b"host: packserve-worker\r\n")
-        head.extend(k + b": " + v + b"\r\n" for k, v in headers)
-        head.append(b"content-length: %d\r\n\r\n" % len(body))
-        writer.write(b"".join(head) + body)
-        await writer.drain()
+    client sent them (percent-encoded).
+
+    A kept-alive connection that fails before the first byte of its response is tried once
+    more on a new one. The worker cannot have taken the request and stayed up then (it closes
+    no connection on its own before `KEEP_ALIVE_S`): either the connection was closed idle
+    (the request never read; the new one serves it), or the worker died (the new connect is
+    refused, and the crash path decides, as for any request)."""
+    head = [method.encode("ascii") + b" " + target + b" HTTP/1.1\r\n"]
+    if not any(k.lower() == b"host" for k, _ in headers):
+        head.append(b"host: packserve-worker\r\n")
+    head.extend(k + b": " + v + b"\r\n" for k, v in headers)
+    head.append(b"content-length: %d\r\n\r\n" % len(body))
+    message = b"".join(head) + body
+    fresh = False
+    while True:
+        reader, writer, reused = await pool.connect(fresh=fresh)
         parser = _Parser()
         http = parser.http = httptools.HttpResponseParser(parser)
-        while not parser.head_done:
-            await _feed(reader, http, parser)
-        return Upstream(pool, reader, writer, parser, http, head_only=method == "HEAD")
-    except UpstreamError:
-        writer.close()
-        raise
-    except OSError as exc:
-        writer.close()
-        raise UpstreamError(f"the connection to the worker failed: {exc}") from exc
-    except BaseException:  # cancelled (the client left): the worker sees its client go too
-        writer.close()
-        raise
+        try:
+            writer.write(message)
+            await writer.drain()
+            while not parser.head_done:
+                await _feed(reader, http, parser)
+            return Upstream(pool, reader, writer, parser, http, head_only=method == "HEAD")
+        except (UpstreamError, OSError) as exc:
+            writer.close()
+            if reused and not parser.started:
+                fresh = True
+                continue
+            if isinstance(exc, UpstreamError):
+                raise
+            raise UpstreamError(f"the connection to the worker failed: {exc}") from exc
+        except BaseException:  # cancelled (the client left): the worker sees its client go too
+            writer.close()
+            raise
 
 
 async def _feed(reader: asyncio.StreamReader, http: httptools.HttpResponseParser,
@@ -207,6 +240,7 @@ async def _feed(reader: asyncio.StreamReader, http: httptools.HttpResponseParser
         raise UpstreamError(f"the connection to the worker broke: {exc}") from exc
     if not data:
         raise UpstreamError("the worker closed the connection before the response's end")
+    parser.started = True
     try:
         http.feed_data(data)
     except httptools.HttpParserError as exc:
