@@ -60,10 +60,15 @@ class ControlChannel:
     """
 
     def __init__(self, fd: int) -> None:
-        import orjson  # here: the front imports this module for its constants
+        # Here, once, not in on_event (called for every event): the front imports this
+        # module for its constants and needs neither.
+        import orjson
+
+        from packserve.core import events
 
         self._fd = fd
         self._dumps = orjson.dumps  # twice per request: faster than the json module
+        self._events = events
 
     def send(self, message: dict[str, str]) -> None:
         data = self._dumps(message) + b"\n"
@@ -80,22 +85,15 @@ class ControlChannel:
         self.send({"k": "pending", "what": what[:1000]})
 
     def on_event(self, event: object) -> None:
-        from packserve.core.events import (
-            LoadEvent,
-            LoadFailedEvent,
-            LoadStartEvent,
-            RequestEvent,
-            RequestStartEvent,
-        )
-
-        if isinstance(event, RequestStartEvent):
+        events = self._events
+        if isinstance(event, events.RequestStartEvent):
             self.send({"k": "start", "rid": event.request_id, "model": event.model,
                        "task": event.task})
-        elif isinstance(event, RequestEvent) and event.started:
+        elif isinstance(event, events.RequestEvent) and event.started:
             self.send({"k": "end", "rid": event.request_id})
-        elif isinstance(event, LoadStartEvent):
+        elif isinstance(event, events.LoadStartEvent):
             self.send({"k": "load", "model": event.model})
-        elif isinstance(event, LoadEvent | LoadFailedEvent):
+        elif isinstance(event, events.LoadEvent | events.LoadFailedEvent):
             self.send({"k": "loaded", "model": event.model})
 
 
