@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up packserve in .venv of this checkout: dependencies, model packages, packserve itself.
-# Safe to run again: it does nothing when requirements.txt, pyproject.toml, scripts/patches/ and this
-# script are unchanged; a .venv set up by an older version of this script is brought up to date.
+# Safe to run again: it does nothing when requirements.txt, pyproject.toml, scripts/patches/
+# and this script are unchanged; a .venv set up by an older version of this script is brought up
+# to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
