@@ -15,6 +15,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from packserve.bench.cpu import py_spy
+
 LOAD = "llama_model_load_from_file"
 # Functions whose samples (with everything under them) say where a load goes.
 PARTS = {
@@ -44,11 +46,13 @@ def main() -> int:
     parser.add_argument("gguf", type=Path)
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
-    bin_dir = Path(sys.executable).parent
+    exe = py_spy()
+    if exe is None:
+        parser.error("py-spy is not installed (requirements.txt has it): run scripts/setup.sh")
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "load.raw"
         child = subprocess.run(
-            [str(bin_dir / "py-spy"), "record", "--native", "--rate", "500", "--format", "raw",
+            [exe, "record", "--native", "--rate", "500", "--format", "raw",
              "--output", str(raw), "--", sys.executable, "-c", CHILD, str(args.gguf),
              str(args.repeats)], check=True, capture_output=True, text=True)
         load_s = float(child.stdout.split("median load seconds:")[1].split()[0])

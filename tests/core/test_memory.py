@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,21 @@ def test_mapped_file_bytes_sums_the_mappings_of_a_models_files(tmp_path: Path) -
     assert mapped_file_bytes(Path("/models/minilm/model.safetensors"), str(maps)) == (
         0x7f03558a9000 - 0x7f0350200000)
     assert mapped_file_bytes(Path("/models/none"), str(maps)) == 0
+
+
+def test_a_symlinked_weights_file_counts_as_its_target(tmp_path: Path) -> None:
+    """A Hugging Face cache's snapshot holds symlinks into its blobs: the process maps the
+    blob, whose name is outside the model's directory, so it is found by device and inode."""
+    blob = tmp_path / "blobs" / "0a1b2c"
+    blob.parent.mkdir()
+    blob.write_bytes(b"weights")
+    snapshot = tmp_path / "snapshots" / "main"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    st = blob.stat()
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f0350200000-7f0350300000 r--p 00000000 {device} {st.st_ino}    {blob}\n"
+                    + MAPS)
+    assert mapped_file_bytes(snapshot, str(maps)) == 0x100000
+    assert mapped_file_bytes(snapshot / "model.safetensors", str(maps)) == 0x100000

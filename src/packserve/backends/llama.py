@@ -53,6 +53,7 @@ from packserve.core.compute import (
 )
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
+from packserve.core.memory import file_mappings
 from packserve.errors import ConfigError, InputTooLong, InvalidRequest
 from packserve.modelfiles import ModelFacts, file_identity
 from packserve.planner.sizing import Breakdown, llama_cpp_breakdown
@@ -123,7 +124,7 @@ class LlamaCppBackend(Backend):
         with _BUILD, _context_params(fields):
             # The model's own mappings of its file are those that appear while it is built (a
             # header reader, or another load of the same file, may map it too).
-            mapped_before = _mapped_ranges(self.spec.path)
+            mapped_before = file_mappings(self.spec.path)
             self._llm = Llama(
                 model_path=str(self.spec.path),
                 n_ctx=context * slots if per_slot else context,
@@ -135,7 +136,7 @@ class LlamaCppBackend(Backend):
                 flash_attn=slots > 1 and per_slot,  # batch-invariant (llama_batch's doc)
                 verbose=False,
             )
-            mapped = _mapped_ranges(self.spec.path) - mapped_before
+            mapped = file_mappings(self.spec.path) - mapped_before
         self._llm._n_ctx = context  # one sequence's window, for llama-cpp-python's checks
         self._llm.eval = _sliced(self._llm.eval, batch_threads)
         self._mapped = () if on_gpu else tuple(sorted(mapped))
@@ -155,7 +156,7 @@ class LlamaCppBackend(Backend):
         """Warm: free the context and give the mapped weight pages back; the model stays.
         Only on CPU with the weights mapped from the file (on a GPU they live in device
         memory, which llama.cpp cannot drop while keeping the model)."""
-        mapped = _mapped_ranges(self.spec.path)
+        mapped = file_mappings(self.spec.path)
         if not self._mapped or not mapped.issuperset(self._mapped):
             return False  # mapped no longer as at load (or never): unload it instead
         decoder, self._decoder = self._decoder, None
@@ -487,28 +488,6 @@ def template_renders_tools(template: str) -> bool:
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _mapped_ranges(path: Path) -> frozenset[tuple[int, int]]:
-    """The address ranges where this process maps `path`'s file now (by device and inode, from
-    /proc/self/maps); none where that is not readable (not Linux)."""
-    try:
-        stat = path.stat()
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            lines = maps.readlines()
-    except OSError:
-        return frozenset()
-    ranges = set()
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6:
-            continue
-        major, _, minor = fields[3].partition(":")
-        if (int(fields[4]) == stat.st_ino
-                and os.makedev(int(major, 16), int(minor, 16)) == stat.st_dev):
-            start, _, end = fields[0].partition("-")
-            ranges.add((int(start, 16), int(end, 16)))
-    return frozenset(ranges)
 
 
 def _advise(ranges: Sequence[tuple[int, int]], advice: int) -> bool:

@@ -8,6 +8,7 @@ torch), which counts llama.cpp's allocations as well as torch's.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
@@ -102,23 +103,42 @@ class SystemProbe:
 
 
 def mapped_file_bytes(path: Path, maps: str = "/proc/self/maps") -> int:
-    """The sum of the sizes of the mappings listed in `maps` (its lines: range, perms, offset,
-    device, inode, path) of the file `path` or of files under it. Only a model's own files: a
-    figure for the whole process would move with whatever else maps or unmaps meanwhile
-    (another device's load, shared memory). /proc/self/maps, not smaps: smaps walks every page
-    table to count resident pages, 50 ms with torch loaded; maps reads in a millisecond."""
+    """The sum of the sizes of this process's mappings of the file `path` or of files under it
+    (`file_mappings`). Only a model's own files: a figure for the whole process would move with
+    whatever else maps or unmaps meanwhile (another device's load, shared memory)."""
+    return sum(end - start for start, end in file_mappings(path, maps))
+
+
+def file_mappings(path: Path, maps: str = "/proc/self/maps") -> frozenset[tuple[int, int]]:
+    """The address ranges listed in `maps` (its lines: range, perms, offset, device, inode,
+    name) of the file `path` or of files under the directory `path`: by name (a file since
+    deleted included), or by device and inode, so that a file that is a symlink (a Hugging Face
+    cache's snapshot into its blobs) counts as its target. None where `maps` cannot be read
+    (not Linux). /proc/self/maps, not smaps: smaps walks every page table to count resident
+    pages, 50 ms with torch loaded; maps reads in a millisecond."""
     root = str(path.resolve())
-    total = 0
-    with open(maps, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            fields = line.rstrip("\n").split(maxsplit=5)
-            if len(fields) < 6:
-                continue
-            name = fields[5].removesuffix(" (deleted)")
-            if name == root or name.startswith(root + "/"):
-                start, _, end = fields[0].partition("-")
-                total += int(end, 16) - int(start, 16)
-    return total
+    ids = set()
+    for file in (path.rglob("*") if path.is_dir() else (path,)):
+        with contextlib.suppress(OSError):
+            st = file.stat()  # a symlink's target
+            ids.add((st.st_dev, st.st_ino))
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return frozenset()
+    ranges = set()
+    for line in lines:
+        fields = line.rstrip("\n").split(maxsplit=5)
+        if len(fields) < 6:
+            continue
+        name = fields[5].removesuffix(" (deleted)")
+        major, _, minor = fields[3].partition(":")
+        if (name == root or name.startswith(root + "/")
+                or (os.makedev(int(major, 16), int(minor, 16)), int(fields[4])) in ids):
+            start, _, end = fields[0].partition("-")
+            ranges.add((int(start, 16), int(end, 16)))
+    return frozenset(ranges)
 
 
 # Where NVIDIA's driver shows itself, in a container as on a host. Without it there is no CUDA
