@@ -131,16 +131,34 @@ def _kill(group: str, replica: str) -> None:
              no_restart=True)
 
 
+def _running_emb(pool: Served) -> str | None:
+    """The shared replica whose node runs a request of emb now, asked of each node: the pool
+    view is each replica's last report, which may predate a request just sent and still count
+    one that has ended (the previous test's)."""
+    for r in _view(pool):
+        if r["group"] != SHARED:
+            continue
+        live = httpx.get(f"{pool.url}/v1/residency", params={"replica": r["replica"]},
+                         timeout=60)
+        if live.status_code == 200 and any(m["name"] == "emb" and m["in_flight"]
+                                           for m in live.json()["models"]):
+            return str(r["replica"])
+    return None
+
+
 def _killed_mid_request(pool: Served, text: str,
                         kill: Callable[[str], object]) -> tuple[str, httpx.Response]:
-    """Send an embedding of emb (`text` makes it slow), `kill` the replica it runs on once it
-    runs; that replica and the answer."""
+    """Send an embedding of emb (`text` makes it slow), `kill` the replica it runs on once its
+    node runs it; that replica and the answer. Earlier requests of emb have all ended, so the
+    node that runs one now runs this one: the replica has accepted it. A replica killed before
+    that (on a stale report) is routed around by Ray Serve itself: no packserve retry."""
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         future = ex.submit(_embed, pool, "emb", text)
-        view = _wait_for(pool, "the request running", lambda v: any(
-            m["name"] == "emb" and m["in_flight"] for r in v for m in r["models"]))
-        victim = next(r["replica"] for r in view for m in r["models"]
-                      if m["name"] == "emb" and m["in_flight"])
+        deadline = time.monotonic() + WAIT_S
+        while (victim := _running_emb(pool)) is None:
+            assert not future.done(), f"the request ended before a node ran it: {future.result()}"
+            assert time.monotonic() < deadline, f"no node ran the request: {_view(pool)}"
+            time.sleep(0.1)
         kill(victim)
         return victim, future.result(timeout=WAIT_S)
 
