@@ -50,13 +50,24 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   for p in "${patches[@]}"; do
     patch -p1 --forward --fuzz=0 --quiet -d "$source_dir" < "$p"
   done
+  # The special-token patch skips tokens by their first byte: every name compared must start
+  # with one it keeps.
+  if LC_ALL=C grep -aoP 't\.first == "\K.' "$source_dir/vendor/llama.cpp/src/llama-vocab.cpp" \
+      | LC_ALL=C grep -aqvP '^[<_\[\xe2]'; then
+    echo "packserve setup: llama-vocab.cpp compares a token with a name that" \
+      "llama-cpp-python-special-token-scan.patch would skip: update the patch" >&2
+    exit 1
+  fi
   CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
+  # What the wheel was built with, for tests/test_engine_build.py.
+  (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$wheel_dir.partial/patches.sha256"
   rm -rf "$wheel_dir.partial/src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
 fi
 # An older .venv may hold a native build under the same version number: replace it unless it is
 # the one built with these flags.
 if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ]; then
   pip install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
+  cp "$wheel_dir/patches.sha256" .venv/.llama-cpp-patches
   echo "$llama_key" > .venv/.llama-cpp-build
 fi
 

@@ -196,9 +196,25 @@ def test_one_cpu_backend_so_every_cpu_makes_the_same_choices() -> None:
 
 
 def test_the_build_carries_packserves_patches() -> None:
-    """scripts/patches/llama-cpp-python-metadata-dump.patch: the loader's metadata log stops
-    formatting a tokenizer array at its 40 shown characters. The patched function takes a
-    third argument, so its mangled name ends in `im` (int, size_t) instead of `i`."""
+    """The installed wheel was built with every patch in scripts/patches/ as it is now
+    (setup.sh records their checksums with the wheel and beside the install)."""
+    root = Path(__file__).resolve().parents[1]
+    recorded = root / ".venv" / ".llama-cpp-patches"
+    assert recorded.is_file(), f"{recorded} is missing: run scripts/setup.sh"
+    built = {name: digest for digest, name in
+             (line.split() for line in recorded.read_text().splitlines())}
+    now = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+           for p in sorted((root / "scripts" / "patches").glob("llama-cpp-python-*.patch"))}
+    assert now and built == now, (
+        f"llama-cpp-python was built with patches {built}, scripts/patches/ has {now}: "
+        f"run scripts/setup.sh")
+
+
+def test_the_metadata_patch_is_in_the_library() -> None:
+    """scripts/patches/llama-cpp-python-metadata-dump.patch, read from the library itself: the
+    loader's metadata log stops formatting a tokenizer array at its 40 shown characters. The
+    patched function takes a third argument, so its mangled name ends in `im` (int, size_t)
+    instead of `i`. (The special-token patch changes no symbol.)"""
     if shutil.which("nm") is None:
         pytest.fail("nm is not on PATH: install binutils (apt-get install binutils)")
     libllama = next(p for p in llama_libraries() if p.name.startswith("libllama"))

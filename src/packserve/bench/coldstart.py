@@ -107,7 +107,7 @@ def _timed(c: httpx.Client, name: str, seed: int = 0) -> float:
 
 def run(opts: Options) -> Report:
     models = (EMBED_MODEL,) if opts.quick else (EMBED_MODEL, CHAT_MODEL, COMPLETE_MODEL)
-    repeats = 1 if opts.quick else 3
+    repeats = 1 if opts.quick else 5  # the floor moves 2-3x between runs (the disk)
     switches = 4 if opts.quick else 20
     config = write_config(opts.out / "work" / "coldstart.toml", opts)
     report = Report("coldstart")
