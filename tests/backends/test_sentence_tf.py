@@ -59,8 +59,11 @@ def test_forward_passes_run_on_the_loads_own_one_torch_thread_workers(
     team), each shard of a batch on one of them with one torch thread."""
     import torch
 
+    from packserve.backends import sentence_tf
     from packserve.core.compute import usable_cores
 
+    # The eager passes (the traced encoder's are the test below's)
+    monkeypatch.setattr(sentence_tf, "_traced_encoder", lambda model, lock: None)
     backend = minilm(tmp_path)
     seen: list[tuple[str, int, int]] = []
     model = backend._model  # type: ignore[attr-defined]
@@ -97,8 +100,6 @@ def test_forward_passes_run_on_the_loads_own_one_torch_thread_workers(
         t.join(60)
     finally:
         backend.unload()
-    from packserve.backends import sentence_tf
-
     assert counts == [sentence_tf._torch_threads] and sentence_tf._torch_threads >= 1
     cores = usable_cores()
     names = {name for name, _, _ in [*concurrent, *seen]}
@@ -130,5 +131,98 @@ def test_sharded_passes_give_what_encode_gives(tmp_path: Path) -> None:
         vectors = model.encode(texts[:40], convert_to_numpy=True, normalize_embeddings=True,
                                show_progress_bar=False)
         assert np.abs(np.asarray(scores) - vectors[1:] @ vectors[0]).max() < 1e-5
+    finally:
+        backend.unload()
+
+
+def _mixed_texts() -> list[str]:
+    return [("word " * (1 + (i * 7) % 40)).strip() + f" {i}" for i in range(150)]
+
+
+def _traced(backend: Backend) -> str:
+    """Start the trace with a pass, wait for it to end: its outcome."""
+    backend.embed(["the first pass starts the trace"])
+    assert backend.graph_settled.wait(120)  # type: ignore[attr-defined]
+    return str(backend._graph_state)  # type: ignore[attr-defined]
+
+
+@pytest.mark.real
+def test_passes_go_through_the_traced_encoder_and_give_what_encode_gives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from packserve.backends import sentence_tf
+
+    backend = minilm(tmp_path)
+    model = backend._model  # type: ignore[attr-defined]
+    passes: list[bool] = []  # each pass: through a graph?
+    through = sentence_tf._pass
+
+    def recording(model: object, graph: object, batch: dict[str, object]) -> object:
+        if threading.current_thread().name.startswith("packserve-torch"):
+            passes.append(graph is not None)
+        return through(model, graph, batch)
+
+    monkeypatch.setattr(sentence_tf, "_pass", recording)
+    try:
+        assert _traced(backend) == "used"
+        passes.clear()
+        texts = _mixed_texts()
+        got = backend.embed(texts).vectors
+        want = model.encode(texts, batch_size=64, convert_to_numpy=True,
+                            show_progress_bar=False)
+        assert np.abs(got - want).max() < 1e-5
+        scores = backend.rerank(texts[0], texts[1:40]).scores
+        vectors = model.encode(texts[:40], convert_to_numpy=True, normalize_embeddings=True,
+                               show_progress_bar=False)
+        assert np.abs(np.asarray(scores) - vectors[1:] @ vectors[0]).max() < 1e-5
+        assert passes and all(passes)
+    finally:
+        backend.unload()
+
+
+@pytest.mark.real
+def test_a_traced_encoder_that_embeds_otherwise_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probes catch a graph whose vectors differ by more than 1e-5: passes stay eager."""
+    import numpy as np
+    import torch
+
+    trace = torch.jit.trace
+
+    def skewed(module: object, **kwargs: object) -> object:
+        graph = trace(module, **kwargs)  # type: ignore[no-untyped-call]
+
+        def call(**inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+            hidden = graph(**inputs)["last_hidden_state"]
+            # (pooling normalizes: a shift, not a scale, shows in the vectors)
+            return {"last_hidden_state": hidden + 1e-2 * (hidden.shape[0] == 1)}
+        return call
+
+    monkeypatch.setattr(torch.jit, "trace", skewed)  # wrong for one-text batches only
+    backend = minilm(tmp_path)
+    model = backend._model  # type: ignore[attr-defined]
+    try:
+        assert _traced(backend) == "refused"
+        assert backend._graph is None  # type: ignore[attr-defined]
+        texts = _mixed_texts()[:20]
+        want = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+        assert np.abs(backend.embed(texts).vectors - want).max() < 1e-5
+    finally:
+        backend.unload()
+
+
+@pytest.mark.real
+def test_the_traced_encoder_goes_with_the_weights_and_comes_back_after_a_restore(
+        tmp_path: Path) -> None:
+    """The graph holds the weights' tensors: a warm release drops it (else the memory stays),
+    and a restore traces anew from the restored weights."""
+    backend = minilm(tmp_path)
+    try:
+        assert _traced(backend) == "used"
+        assert backend.release_weights()
+        assert backend._graph is None  # type: ignore[attr-defined]
+        backend.restore_weights()
+        assert _traced(backend) == "used"
     finally:
         backend.unload()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextvars
 import json
+import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -32,6 +34,26 @@ _ENVIRONMENT = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # per sentence in passes of 4 and 8.7 in passes of 8 (8.1 in passes of 32) on the build machine
 # (by hand, in one process).
 _MIN_SHARD = 4
+
+# A CPU bi-encoder's passes run through its encoder traced into a TorchScript graph once one
+# is built and checked (`_traced_encoder`): the graph runs without Python between operators,
+# so a pass holds the GIL only to start, and neither the event loop's work nor the other
+# passes wait on it (docs/benchmarks.md, "Embedding passes through a traced encoder"). These
+# are the inputs the graph takes; a tokenizer that gives others keeps the eager passes.
+_GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# The batches a traced encoder must embed as the eager model does (within 1e-5) before any
+# pass uses it: padded, unpadded, one text, and one cut at the model's longest input. The
+# trace records Python's decisions on its example (a padded batch) as constants; these are the
+# shapes where a decision could go the other way.
+_PROBES = (
+    ("short", "a longer sentence, with more words in it than the first has"),
+    ("the same four words", "the same four words"),
+    ("one",),
+    ("a b c d e f g h", "x", "two words", "a sentence of six words here", "k", "l m",
+     "n o p", "q r s t"),
+)
+
+logger = logging.getLogger(__name__)
 
 # torch's own thread count in this process, read at the first prepare, before any shard thread
 # set its own to 1: torch.set_num_threads also sets the default of every thread that runs torch
@@ -138,6 +160,14 @@ class _TorchBackend(Backend):
         self._workers = 1
         self._passes = 0  # calls computing now (CPU), under _counting
         self._counting = threading.Lock()
+        # CPU bi-encoder: its traced encoder, built in the background after the first pass of
+        # a load or a restore ("none" -> "tracing" -> "used" or "refused"), under _counting.
+        # The weights going (release, unload) drop it and bump the generation, so a trace
+        # that started before is discarded.
+        self._graph: Any = None
+        self._graph_state = "none"
+        self._graph_generation = 0
+        self.graph_settled = threading.Event()  # the last trace ended (used or refused)
 
     def _compute(self, fn: Callable[[], T]) -> T:
         """`fn()` on this load's own thread, the caller waiting. torch's OpenMP workers belong
@@ -209,9 +239,11 @@ class _TorchBackend(Backend):
                 self._ended_pass()
                 raise
 
+        graph = self._graph
+
         def forward(batch: dict[str, Any]) -> Any:
             with torch.inference_mode():
-                out = model(batch)["sentence_embedding"]
+                out = _pass(model, graph, batch)
                 out = truncate_embeddings(out, model.truncate_dim)
                 if normalize:
                     out = torch.nn.functional.normalize(out, p=2, dim=1)
@@ -224,6 +256,7 @@ class _TorchBackend(Backend):
                 rows = np.concatenate([f.result() for f in futures])
         finally:
             self._ended_pass()
+        self._start_graph()
         vectors = np.empty_like(rows)
         vectors[order] = rows
         return vectors, tokens
@@ -231,6 +264,49 @@ class _TorchBackend(Backend):
     def _ended_pass(self) -> None:
         with self._counting:
             self._passes -= 1
+
+    def _start_graph(self) -> None:
+        """After a pass: trace the encoder on a thread of its own, once per load or restore
+        (about half a second of one core for MiniLM, beside the passes, which stay eager
+        until it is checked)."""
+        with self._counting:
+            if self._graph_state != "none" or self._model is None or self._warm:
+                return
+            self._graph_state = "tracing"
+            self.graph_settled.clear()
+            generation = self._graph_generation
+        threading.Thread(target=self._build_graph, args=(self._model, generation),
+                         name="packserve-trace", daemon=True).start()
+
+    def _build_graph(self, model: Any, generation: int) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        try:
+            graph = _traced_encoder(model, self._lock)
+        except Exception as exc:  # the weights went meanwhile, or the model cannot be traced
+            logger.info("%s: passes stay eager: tracing its encoder failed: %s", self.name, exc)
+            graph = None
+        with self._counting:
+            if generation == self._graph_generation:
+                self._graph = graph
+                self._graph_state = "used" if graph is not None else "refused"
+                if graph is None:
+                    logger.info("%s: passes stay eager (its traced encoder did not embed as "
+                                "the model does)", self.name)
+        del graph  # a discarded graph's hold on the weights ends before anyone is told
+        self.graph_settled.set()
+
+    def _drop_graph(self) -> None:
+        """Before the weights go: the graph holds them too, and so does a trace under way,
+        which this waits for (it is discarded)."""
+        with self._counting:
+            tracing = self._graph_state == "tracing"
+            self._graph = None
+            self._graph_state = "none"
+            self._graph_generation += 1
+        if tracing:
+            self.graph_settled.wait(timeout=60)
 
     def prepare(self) -> None:
         global _torch_threads
@@ -264,6 +340,7 @@ class _TorchBackend(Backend):
         plan = _warm_plan(self._model, self.spec.path)
         if plan is None:
             return False
+        self._drop_graph()
         for part in plan:
             part.module.to("meta")
         self._warm = plan
@@ -293,6 +370,7 @@ class _TorchBackend(Backend):
         self._warm = ()
 
     def unload(self) -> None:
+        self._drop_graph()
         self._model = None
         self._warm = ()
         for pool in (self._thread, self._shards):
@@ -380,6 +458,49 @@ class CrossEncoderBackend(_TorchBackend):
                 show_progress_bar=False))
             flat = np.asarray(scores).reshape(-1)
             return Ranking(scores=[float(s) for s in flat], tokens=tokens)
+
+
+def _pass(model: Any, graph: Any, batch: dict[str, Any]) -> Any:
+    """The sentence embeddings of one tokenized batch: through the traced encoder and the
+    model's other modules (pooling, normalizing) when there is one, else the eager model."""
+    if graph is None:
+        return model(batch)["sentence_embedding"]
+    features = dict(batch)
+    features["token_embeddings"] = graph(
+        **{k: batch[k] for k in _GRAPH_INPUTS if k in batch})["last_hidden_state"]
+    for module in list(model)[1:]:
+        features = module(features)
+    return features["sentence_embedding"]
+
+
+def _traced_encoder(model: Any, tokenizing: threading.Lock) -> Any:
+    """`model`'s first module's encoder traced with torch.jit (deprecated in torch 2.13 in
+    favour of torch.compile, which needs a C++ toolchain and seconds of compiling per shape,
+    and torch.export, which does not run a model faster by itself), or None when the
+    traced passes do not embed `_PROBES` as the eager model does, within 1e-5. The probes are
+    tokenized under `tokenizing`, the load's lock."""
+    import torch
+
+    with tokenizing:
+        probes = [model.preprocess(list(texts)) for texts in
+                  (*_PROBES, ("word " * 4 * int(model.max_seq_length or 512),))]
+    if any(set(k for k, v in p.items() if isinstance(v, torch.Tensor)) - set(_GRAPH_INPUTS)
+           for p in probes):
+        return None  # the encoder takes inputs the graph would not pass
+    example = {k: probes[0][k] for k in _GRAPH_INPUTS if k in probes[0]}
+    with warnings.catch_warnings(), torch.inference_mode():
+        # The deprecation and the tracer's notes on Python decisions it records: the
+        # probes are what checks those.
+        warnings.simplefilter("ignore")
+        graph = torch.jit.trace(  # type: ignore[no-untyped-call]
+            model[0].auto_model, example_kwarg_inputs=example, strict=False,
+            check_trace=False)
+        for p in probes:
+            want = model(dict(p))["sentence_embedding"]
+            got = _pass(model, graph, p)
+            if got.shape != want.shape or (got - want).abs().max().item() > 1e-5:
+                return None
+    return graph
 
 
 def _size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:
