@@ -53,7 +53,7 @@ _PROBES = (
      "n o p", "q r s t"),
 )
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger("packserve.sentence_tf")
 
 # torch's own thread count in this process, read at the first prepare, before any shard thread
 # set its own to 1: torch.set_num_threads also sets the default of every thread that runs torch
@@ -285,15 +285,19 @@ class _TorchBackend(Backend):
         try:
             graph = _traced_encoder(model, self._lock)
         except Exception as exc:  # the weights went meanwhile, or the model cannot be traced
-            logger.info("%s: passes stay eager: tracing its encoder failed: %s", self.name, exc)
+            failed: str | None = f"tracing its encoder failed: {exc}"
             graph = None
+        else:
+            failed = None if graph is not None else ("its traced encoder did not embed the "
+                                                     "probe batches as the model does")
         with self._counting:
             if generation == self._graph_generation:
                 self._graph = graph
                 self._graph_state = "used" if graph is not None else "refused"
-                if graph is None:
-                    logger.info("%s: passes stay eager (its traced encoder did not embed as "
-                                "the model does)", self.name)
+                if failed:
+                    log.warning("%s: forward passes stay eager: %s", self.spec.path, failed)
+                else:
+                    log.info("%s: forward passes go through its traced encoder", self.spec.path)
         del graph  # a discarded graph's hold on the weights ends before anyone is told
         self.graph_settled.set()
 
