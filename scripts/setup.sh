@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
 want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f .venv/.llama-cpp-patches ]; then
   exit 0
 fi
 
@@ -40,7 +40,9 @@ patches=(scripts/patches/llama-cpp-python-*.patch)
 py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
 llama_key=$( (printf '%s\n' "$llama_version" "$llama_flags" "$py_tag"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
-if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+# A folder without patches.sha256 was built before the record was kept: built anew.
+if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
+    || [ ! -f "$wheel_dir/patches.sha256" ]; then
   echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
   rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial/src"
   pip download -q --no-cache-dir --no-deps --no-binary llama-cpp-python -d "$wheel_dir.partial/src" \
@@ -51,11 +53,13 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     patch -p1 --forward --fuzz=0 --quiet -d "$source_dir" < "$p"
   done
   # The special-token patch skips tokens by their first byte: every name compared must start
-  # with one it keeps.
-  if LC_ALL=C grep -aoP 't\.first == "\K.' "$source_dir/vendor/llama.cpp/src/llama-vocab.cpp" \
-      | LC_ALL=C grep -aqvP '^[<_\[\xe2]'; then
+  # with one it keeps (and the names must be found at all: 73 in 0.3.36).
+  vocab_cpp="$source_dir/vendor/llama.cpp/src/llama-vocab.cpp"
+  firsts=$(LC_ALL=C grep -aoP 't\.first == "\K.' "$vocab_cpp") || firsts=""
+  if [ -z "$firsts" ] || printf '%s\n' "$firsts" | LC_ALL=C grep -aqvP '^[<_\[\xe2]'; then
     echo "packserve setup: llama-vocab.cpp compares a token with a name that" \
-      "llama-cpp-python-special-token-scan.patch would skip: update the patch" >&2
+      "llama-cpp-python-special-token-scan.patch would skip, or compares with none: update" \
+      "the patch" >&2
     exit 1
   fi
   CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
@@ -65,7 +69,8 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
 fi
 # An older .venv may hold a native build under the same version number: replace it unless it is
 # the one built with these flags.
-if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ]; then
+if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ] \
+    || [ ! -f .venv/.llama-cpp-patches ]; then
   pip install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
   cp "$wheel_dir/patches.sha256" .venv/.llama-cpp-patches
   echo "$llama_key" > .venv/.llama-cpp-build

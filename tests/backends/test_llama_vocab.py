@@ -4,8 +4,9 @@ packserve's patched build as with the unpatched one.
 `scripts/patches/llama-cpp-python-special-token-scan.patch` skips the special-token names'
 comparisons for tokens whose text cannot start one; a mistake there loses a token found by its
 text (SmolLM2's `<reponame>`, its FIM repository token and an end-of-generation token, is one)
-or marks one it should not. The expected values are what the unpatched llama-cpp-python 0.3.36
-build reported for each file; only the vocabulary is loaded.
+or marks one it should not. Both vocabularies' special names start with `<`: the other first
+bytes the patch keeps are checked by setup.sh's guard. The expected values are what the
+unpatched llama-cpp-python 0.3.36 build reported for each file; only the vocabulary is loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from packserve.sources import resolve_source
+
+pytestmark = pytest.mark.real
 
 # Per model: special ids, the end-of-generation tokens, and how many tokens have each
 # attribute bit set (llama_token_attr: 4 normal, 8 control, 16 user-defined, 32 byte; 10 is

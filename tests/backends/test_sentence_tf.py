@@ -183,7 +183,8 @@ def test_passes_go_through_the_traced_encoder_and_give_what_encode_gives(
 
 @pytest.mark.real
 def test_a_traced_encoder_that_embeds_otherwise_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
     """The probes catch a graph whose vectors differ by more than 1e-5: passes stay eager."""
     import numpy as np
     import torch
@@ -203,7 +204,9 @@ def test_a_traced_encoder_that_embeds_otherwise_is_refused(
     backend = minilm(tmp_path)
     model = backend._model  # type: ignore[attr-defined]
     try:
-        assert _traced(backend) == "refused"
+        with caplog.at_level("WARNING", logger="packserve.sentence_tf"):
+            assert _traced(backend) == "refused"
+        assert "did not embed the probe batches as the model does" in caplog.text
         assert backend._graph is None  # type: ignore[attr-defined]
         texts = _mixed_texts()[:20]
         want = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
@@ -225,4 +228,39 @@ def test_the_traced_encoder_goes_with_the_weights_and_comes_back_after_a_restore
         backend.restore_weights()
         assert _traced(backend) == "used"
     finally:
+        backend.unload()
+
+
+@pytest.mark.real
+def test_a_trace_under_way_when_the_weights_go_is_discarded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release during a trace waits for it and does not let its graph (which would hold the
+    weights) be used; the next load's pass traces anew."""
+    from packserve.backends import sentence_tf
+
+    started, go = threading.Event(), threading.Event()
+    trace = sentence_tf._traced_encoder
+
+    def held(model: object, lock: threading.Lock) -> object:
+        started.set()
+        assert go.wait(120)
+        return trace(model, lock)
+
+    monkeypatch.setattr(sentence_tf, "_traced_encoder", held)
+    backend = minilm(tmp_path)
+    try:
+        backend.embed(["the first pass starts the trace"])
+        assert started.wait(120)
+        with ThreadPoolExecutor(1) as pool:
+            released = pool.submit(backend.release_weights)
+            go.set()
+            assert released.result(timeout=180)
+        assert backend.graph_settled.is_set()  # type: ignore[attr-defined]
+        assert backend._graph is None  # type: ignore[attr-defined]
+        assert backend._graph_state == "none"  # type: ignore[attr-defined]
+        backend.restore_weights()
+        started.clear()
+        assert _traced(backend) == "used" and started.is_set()
+    finally:
+        go.set()
         backend.unload()

@@ -138,8 +138,11 @@ def _running_emb(pool: Served) -> str | None:
     for r in _view(pool):
         if r["group"] != SHARED:
             continue
-        live = httpx.get(f"{pool.url}/v1/residency", params={"replica": r["replica"]},
-                         timeout=60)
+        try:  # a replica killed by an earlier test may still be listed: do not wait on it
+            live = httpx.get(f"{pool.url}/v1/residency", params={"replica": r["replica"]},
+                             timeout=2)
+        except httpx.TimeoutException:
+            continue
         if live.status_code == 200 and any(m["name"] == "emb" and m["in_flight"]
                                            for m in live.json()["models"]):
             return str(r["replica"])

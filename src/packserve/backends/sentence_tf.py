@@ -42,7 +42,8 @@ _MIN_SHARD = 4
 # are the inputs the graph takes; a tokenizer that gives others keeps the eager passes.
 _GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # The batches a traced encoder must embed as the eager model does (within 1e-5) before any
-# pass uses it: padded, unpadded, one text, and one cut at the model's longest input. The
+# pass uses it: padded, unpadded, one text, eight of mixed lengths, and (added in
+# `_traced_encoder`) one long text, cut at the model's longest input up to 1024 tokens. The
 # trace records Python's decisions on its example (a padded batch) as constants; these are the
 # shapes where a decision could go the other way.
 _PROBES = (
@@ -168,6 +169,7 @@ class _TorchBackend(Backend):
         self._graph_state = "none"
         self._graph_generation = 0
         self.graph_settled = threading.Event()  # the last trace ended (used or refused)
+        self._tracer: threading.Thread | None = None  # the trace's thread, joined on a drop
 
     def _compute(self, fn: Callable[[], T]) -> T:
         """`fn()` on this load's own thread, the caller waiting. torch's OpenMP workers belong
@@ -270,47 +272,60 @@ class _TorchBackend(Backend):
         (about half a second of one core for MiniLM, beside the passes, which stay eager
         until it is checked)."""
         with self._counting:
-            if self._graph_state != "none" or self._model is None or self._warm:
+            model = self._model
+            if self._graph_state != "none" or model is None or self._warm:
                 return
             self._graph_state = "tracing"
             self.graph_settled.clear()
             generation = self._graph_generation
-        threading.Thread(target=self._build_graph, args=(self._model, generation),
-                         name="packserve-trace", daemon=True).start()
+            self._tracer = threading.Thread(target=self._build_graph, args=(model, generation),
+                                            name="packserve-trace", daemon=True)
+        try:
+            self._tracer.start()
+        except RuntimeError as exc:  # no thread to be had: the passes stay eager
+            self._settle_graph(generation, None, f"no thread to trace its encoder on: {exc}")
 
     def _build_graph(self, model: Any, generation: int) -> None:
         import torch
 
-        torch.set_num_threads(1)
+        graph: Any = None
+        failed = "its traced encoder did not embed the probe batches as the model does"
         try:
+            torch.set_num_threads(1)
             graph = _traced_encoder(model, self._lock)
         except Exception as exc:  # the weights went meanwhile, or the model cannot be traced
-            failed: str | None = f"tracing its encoder failed: {exc}"
-            graph = None
-        else:
-            failed = None if graph is not None else ("its traced encoder did not embed the "
-                                                     "probe batches as the model does")
+            failed = f"tracing its encoder failed: {exc}"
+        finally:
+            self._settle_graph(generation, graph, failed)
+
+    def _settle_graph(self, generation: int, graph: Any, failed: str) -> None:
+        """Use `graph` (None: the passes stay eager, for the reason `failed`), unless the
+        weights went since the trace started."""
         with self._counting:
-            if generation == self._graph_generation:
+            current = generation == self._graph_generation
+            if current:
                 self._graph = graph
                 self._graph_state = "used" if graph is not None else "refused"
-                if failed:
-                    log.warning("%s: forward passes stay eager: %s", self.spec.path, failed)
-                else:
-                    log.info("%s: forward passes go through its traced encoder", self.spec.path)
-        del graph  # a discarded graph's hold on the weights ends before anyone is told
+        if current and graph is not None:
+            log.info("%s: forward passes go through its traced encoder", self.spec.path)
+        elif current:
+            log.warning("%s: forward passes stay eager: %s", self.spec.path, failed)
         self.graph_settled.set()
 
     def _drop_graph(self) -> None:
         """Before the weights go: the graph holds them too, and so does a trace under way,
-        which this waits for (it is discarded)."""
+        which this waits for (it is discarded). Never called holding `_lock`: the trace
+        tokenizes its probes under it."""
         with self._counting:
-            tracing = self._graph_state == "tracing"
             self._graph = None
             self._graph_state = "none"
             self._graph_generation += 1
-        if tracing:
-            self.graph_settled.wait(timeout=60)
+            tracer, self._tracer = self._tracer, None
+        if tracer is not None and tracer is not threading.current_thread():
+            tracer.join(timeout=120)
+            if tracer.is_alive():
+                log.warning("%s: a trace of its encoder is still running after 120 s; its "
+                            "weights go now all the same", self.spec.path)
 
     def prepare(self) -> None:
         global _torch_threads
@@ -487,15 +502,16 @@ def _traced_encoder(model: Any, tokenizing: threading.Lock) -> Any:
 
     with tokenizing:
         probes = [model.preprocess(list(texts)) for texts in
-                  (*_PROBES, ("word " * 4 * int(model.max_seq_length or 512),))]
+                  (*_PROBES, ("word " * 2 * min(int(model.max_seq_length or 512), 512),))]
     if any(set(k for k, v in p.items() if isinstance(v, torch.Tensor)) - set(_GRAPH_INPUTS)
            for p in probes):
         return None  # the encoder takes inputs the graph would not pass
     example = {k: probes[0][k] for k in _GRAPH_INPUTS if k in probes[0]}
-    with warnings.catch_warnings(), torch.inference_mode():
-        # The deprecation and the tracer's notes on Python decisions it records: the
-        # probes are what checks those.
-        warnings.simplefilter("ignore")
+    # The deprecation, and the tracer's notes on the Python decisions it records (the probes
+    # check those). Filters for these alone: `catch_warnings` would change every thread's.
+    warnings.filterwarnings("ignore", category=torch.jit._trace.TracerWarning)
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.trace", category=DeprecationWarning)
+    with torch.inference_mode():
         graph = torch.jit.trace(  # type: ignore[no-untyped-call]
             model[0].auto_model, example_kwarg_inputs=example, strict=False,
             check_trace=False)
