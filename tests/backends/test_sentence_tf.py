@@ -111,6 +111,11 @@ def test_forward_passes_run_on_the_loads_own_one_torch_thread_workers(
     assert len(seen) == min(cores, 4) and sum(rows for _, _, rows in seen) == 16
 
 
+def _mixed_texts() -> list[str]:
+    """150 texts of 2 to 41 words."""
+    return [("word " * (1 + (i * 7) % 40)).strip() + f" {i}" for i in range(150)]
+
+
 @pytest.mark.real
 def test_sharded_passes_give_what_encode_gives(tmp_path: Path) -> None:
     """The shards (sorted by length, tokenized apart, padded to their own longest) give the
@@ -120,7 +125,7 @@ def test_sharded_passes_give_what_encode_gives(tmp_path: Path) -> None:
 
     backend = minilm(tmp_path)
     model = backend._model  # type: ignore[attr-defined]
-    texts = [("word " * (1 + (i * 7) % 40)).strip() + f" {i}" for i in range(150)]
+    texts = _mixed_texts()
     try:
         got = backend.embed(texts).vectors
         want = model.encode(texts, batch_size=64, convert_to_numpy=True,
@@ -133,10 +138,6 @@ def test_sharded_passes_give_what_encode_gives(tmp_path: Path) -> None:
         assert np.abs(np.asarray(scores) - vectors[1:] @ vectors[0]).max() < 1e-5
     finally:
         backend.unload()
-
-
-def _mixed_texts() -> list[str]:
-    return [("word " * (1 + (i * 7) % 40)).strip() + f" {i}" for i in range(150)]
 
 
 def _traced(backend: Backend) -> str:
