@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
 want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f .venv/.llama-cpp-patches ]; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f .venv/.llama-cpp-patches ] \
+    && [ -x .venv/bin/llama-server ]; then
   exit 0
 fi
 
@@ -40,15 +41,15 @@ patches=(scripts/patches/llama-cpp-python-*.patch)
 py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
 llama_key=$( (printf '%s\n' "$llama_version" "$llama_flags" "$py_tag"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
-# A folder without patches.sha256 was built before the record was kept: built anew.
-if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
-    || [ ! -f "$wheel_dir/patches.sha256" ]; then
-  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
-  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial/src"
-  pip download -q --no-cache-dir --no-deps --no-binary llama-cpp-python -d "$wheel_dir.partial/src" \
+# The patched source, unpacked once when the wheel or the server below must be built.
+source_dir=""
+llama_source() {
+  [ -n "$source_dir" ] && return 0
+  src_root=$(mktemp -d "${TMPDIR:-/tmp}/packserve-llama-src.XXXXXX")
+  pip download -q --no-cache-dir --no-deps --no-binary llama-cpp-python -d "$src_root" \
     "llama-cpp-python==$llama_version"
-  tar -xzf "$wheel_dir.partial/src"/llama_cpp_python-"$llama_version".tar.gz -C "$wheel_dir.partial/src"
-  source_dir="$wheel_dir.partial/src/llama_cpp_python-$llama_version"
+  tar -xzf "$src_root"/llama_cpp_python-"$llama_version".tar.gz -C "$src_root"
+  source_dir="$src_root/llama_cpp_python-$llama_version"
   for p in "${patches[@]}"; do
     patch -p1 --forward --fuzz=0 --quiet -d "$source_dir" < "$p"
   done
@@ -62,10 +63,38 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
       "the patch" >&2
     exit 1
   fi
+}
+trap '[ -n "$source_dir" ] && rm -rf "$(dirname "$source_dir")"' EXIT
+# A folder without patches.sha256 was built before the record was kept: built anew.
+if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
+    || [ ! -f "$wheel_dir/patches.sha256" ]; then
+  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
+  llama_source
+  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
   CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
   # What the wheel was built with, for tests/test_engine_build.py.
   (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$wheel_dir.partial/patches.sha256"
-  rm -rf "$wheel_dir.partial/src" "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
+  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
+fi
+# llama.cpp's own server, from the same patched source and flags: the runner process of the
+# llama-server engine (one per loaded GGUF model; docs/engines.md). Static, so that it needs
+# nothing from the wheel; no web UI, no TLS, nothing downloaded at build or run time.
+server_flags="$llama_flags -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON"
+server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
+server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}") | sha256sum | cut -c1-16)
+server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
+if [ ! -x "$server_dir/llama-server" ]; then
+  echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; ~8 min) into $server_dir" >&2
+  llama_source
+  build_dir="$source_dir/vendor/llama.cpp/build-server"
+  # shellcheck disable=SC2086 # the flags are words
+  cmake -S "$source_dir/vendor/llama.cpp" -B "$build_dir" $server_flags >/dev/null
+  cmake --build "$build_dir" --target llama-server -j "$(nproc)" >/dev/null
+  rm -rf "$server_dir.partial" && mkdir -p "$server_dir.partial"
+  cp "$build_dir/bin/llama-server" "$server_dir.partial/"
+  (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$server_dir.partial/patches.sha256"
+  rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
 fi
 # An older .venv may hold a native build under the same version number: replace it unless it is
 # the one built with these flags.
@@ -74,6 +103,10 @@ if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ] \
   pip install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
   cp "$wheel_dir/patches.sha256" .venv/.llama-cpp-patches
   echo "$llama_key" > .venv/.llama-cpp-build
+fi
+if ! cmp -s "$server_dir/llama-server" .venv/bin/llama-server; then
+  cp "$server_dir/llama-server" .venv/bin/llama-server.partial
+  mv .venv/bin/llama-server.partial .venv/bin/llama-server
 fi
 
 echo "packserve setup: dependencies" >&2

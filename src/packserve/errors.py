@@ -88,6 +88,13 @@ class ModelUnavailable(_RetryLater):
     code = "model_unavailable"
 
 
+class EngineCrashed(ModelUnavailable):
+    """The engine serving the request died under it (a runner process that exited or was
+    killed): 503, and the next request finds the engine started again."""
+
+    code = "engine_crashed"
+
+
 class NeverFits(PackserveError):
     """The model's footprint exceeds what its device can ever give it."""
 

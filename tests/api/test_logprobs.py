@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -12,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLog
 
 from packserve.api.generation import TextCompletion
 from packserve.core.backend import Generated, TokenLogprob
-from tests.factories import Running
+from tests.factories import Running, default_config, serve
 
 pytestmark = pytest.mark.real
 
@@ -82,6 +83,25 @@ def test_completion_logprobs_in_the_legacy_shape(sdk: openai.OpenAI) -> None:
         assert logprob == pytest.approx(max(top.values()))
 
 
+@pytest.fixture(scope="module")
+def in_process(models_dir: Path) -> Iterator[openai.OpenAI]:
+    """Gemma in the worker (`backend = "llama-cpp"`): only that engine scores a prompt's
+    tokens (echo); the default catalog runs it in a llama-server runner, which cannot."""
+    config = default_config(models_dir)
+    config.models[:] = [m.model_copy(update={"backend": "llama-cpp"}) for m in config.models
+                        if m.name == COMPLETE]
+    with serve(config) as running, openai.OpenAI(base_url=f"{running.url}/v1",
+                                                 api_key="unused", timeout=120) as client:
+        yield client
+
+
+def test_echo_on_a_runner_is_refused_naming_the_engine(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="llama-server runner") as caught:
+        sdk.completions.create(model=COMPLETE, prompt="Hi", max_tokens=0, echo=True,
+                               logprobs=0)
+    assert caught.value.body["param"] == "echo"  # type: ignore[index]
+
+
 def _score(sdk: openai.OpenAI, text: str) -> tuple[list[str], list[float]]:
     out = sdk.completions.create(model=COMPLETE, prompt=text, max_tokens=0, echo=True,
                                  logprobs=0)
@@ -93,7 +113,8 @@ def _score(sdk: openai.OpenAI, text: str) -> tuple[list[str], list[float]]:
 
 
 def test_echo_scores_a_prompt_and_a_sentence_beats_its_words_shuffled(
-        sdk: openai.OpenAI) -> None:
+        in_process: openai.OpenAI) -> None:
+    sdk = in_process
     sentence = "The capital of France is Paris, and it is a large city."
     tokens, logprobs = _score(sdk, sentence)
     assert "".join(tokens) == sentence
@@ -104,7 +125,8 @@ def test_echo_scores_a_prompt_and_a_sentence_beats_its_words_shuffled(
 
 
 def test_echo_with_generation_returns_the_prompt_then_the_completion(
-        sdk: openai.OpenAI) -> None:
+        in_process: openai.OpenAI) -> None:
+    sdk = in_process
     prompt = "Once upon a time"
     out = sdk.completions.create(model=COMPLETE, prompt=prompt, max_tokens=3, temperature=0,
                                  echo=True, logprobs=1)

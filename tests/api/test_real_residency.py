@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from packserve.config import Config
 from packserve.core.events import EvictEvent, LoadEvent, LoadFailedEvent
 from packserve.errors import ConfigError
 from packserve.server import build_scheduler
@@ -55,13 +56,42 @@ def test_cycling_all_models_under_a_small_budget(models_dir: Path) -> None:
     assert not any(isinstance(e, LoadFailedEvent) for e in server.events)
 
 
-def test_evicted_models_wait_warm_and_come_back_with_the_same_answers(models_dir: Path) -> None:
-    # MiniLM ~90 MiB and SmolLM2 ~165 MiB do not fit in 230 MiB together, but one of them
-    # beside the other's warm copy (its engine objects, no weights) does.
+def _tight(models_dir: Path, smollm2_backend: str) -> Config:
+    """MiniLM and SmolLM2 in 230 MiB with no headroom: they do not fit together."""
     config = default_config(models_dir, memory_budget="230MiB",
                             only_models=["all-minilm-l6-v2", "smollm2-135m-instruct"])
-    config = config.model_copy(update={"devices": {
-        TEST_DEVICE: config.device_config(TEST_DEVICE).model_copy(update={"headroom": 0})}})
+    return config.model_copy(update={
+        "devices": {TEST_DEVICE: config.device_config(TEST_DEVICE).model_copy(
+            update={"headroom": 0})},
+        "models": [m.model_copy(update={"backend": smollm2_backend}) if m.name.startswith(
+            "smollm2") else m for m in config.models]})
+
+
+def test_evicted_runners_go_cold_and_come_back_with_the_same_answers(models_dir: Path) -> None:
+    # A llama-server runner has no warm state: evicted, its process ends; the next request
+    # starts another, which answers as the first did.
+    chat = {"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name a colour."}]}
+    embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
+    with serve(_tight(models_dir, "llama-server")) as server, server.client() as c:
+        first = c.post("/v1/chat/completions", json=chat)
+        assert first.status_code == 200, first.text
+        assert c.post("/v1/embeddings", json=embed).status_code == 200
+        rows = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
+        assert rows["smollm2-135m-instruct"]["state"] == "cold"
+        again = c.post("/v1/chat/completions", json=chat)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+        evictions = [e for e in server.events if isinstance(e, EvictEvent)]
+    runner = [e for e in evictions if e.model == "smollm2-135m-instruct"]
+    assert runner and {e.tier_to for e in runner} == {"cold"}
+
+
+def test_evicted_models_wait_warm_and_come_back_with_the_same_answers(models_dir: Path) -> None:
+    # MiniLM ~90 MiB and SmolLM2 ~165 MiB (in the worker: the warm state is the in-process
+    # engine's) do not fit in 230 MiB together, but one of them beside the other's warm copy
+    # (its engine objects, no weights) does.
+    config = _tight(models_dir, "llama-cpp")
     embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
     chat = {"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "Name a colour."}]}

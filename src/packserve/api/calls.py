@@ -11,14 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
+from packserve.api import relay
 from packserve.api.batching import Batchers
-from packserve.core.backend import Embeddings, Generated, OnText, Ranking, Runner, TokenLogprob
+from packserve.core.backend import (
+    Embeddings,
+    Generated,
+    OnText,
+    Ranking,
+    Runner,
+    TokenLogprob,
+    Wire,
+)
 from packserve.core.compute import TICKET
 from packserve.core.scheduler import Lease
 
@@ -27,6 +36,9 @@ T = TypeVar("T")
 # One generation on a leased runner, in a worker thread. It passes `on_text` to the engine, which
 # calls it with each new piece of text; it returns False once the engine should stop early.
 Generate = Callable[[Runner, OnText], Generated]
+# The same generation as a request to relay (`Runner.wire`), asked with whether it streams; on
+# the event loop; None where the engine does not answer in OpenAI's shape itself.
+Plain = Callable[[Runner, bool], Wire | None]
 
 
 class Call:
@@ -47,6 +59,20 @@ class Call:
         out = await off_loop(self._lease.runner.rerank, query, documents)
         self._lease.count_tokens(out.tokens)
         return out
+
+    def wire(self, plain: Plain, *, stream: bool) -> Wire | None:
+        """The request to relay for a plain generation, if the leased engine takes one."""
+        return plain(self._lease.runner, stream)
+
+    async def relay_whole(self, wire: Wire) -> dict[str, Any]:
+        """The engine's whole answer to `wire`, its tokens counted on the lease."""
+        return await relay.whole(wire, self._lease.model, self._lease.count_tokens)
+
+    def relay(self, wire: Wire, *, include_usage: bool) -> AsyncGenerator[bytes]:
+        """The engine's events for `wire` (a refusal raises at the first), its tokens counted
+        on the lease. Leaving early closes the exchange, which stops the generation."""
+        return relay.stream(wire, self._lease.model, self._lease.count_tokens,
+                            include_usage=include_usage)
 
     async def generate(self, job: Generate) -> Generated:
         """Run `job` to the end; if the request is cancelled, its `on_text` asks it to stop."""

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, ClassVar
 
 from fastapi.responses import StreamingResponse
 
-from packserve.api.calls import Generate
+from packserve.api.calls import Call, Generate, Plain
 from packserve.api.errors import described
 from packserve.api.services import Inputs, Services
 from packserve.core.backend import FinishReason, Generated, TokenLogprob
@@ -175,15 +176,19 @@ class TextCompletion(Completion):
 
 async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Generate], *,
                  inputs: Inputs | None = None, stream: bool = False,
-                 include_usage: bool = False,
-                 check: Check | None = None) -> dict[str, Any] | StreamingResponse:
+                 include_usage: bool = False, check: Check | None = None,
+                 plain: Plain | None = None) -> dict[str, Any] | StreamingResponse:
     """Run `jobs` in order on one lease of `reply.model` and answer with one choice each; or,
     with `stream`, answer with server-sent events of the only job. `check` sees each output
-    (after the lease is given back, unless streaming)."""
+    (after the lease is given back, unless streaming). `plain`: the only job as a request to
+    relay, where the leased engine answers in OpenAI's shape itself (`api.relay`)."""
     if stream:
         assert len(jobs) == 1, "a stream has one choice"
-        return await _streamed(s, reply, task, jobs[0], inputs, check, include_usage)
+        return await _streamed(s, reply, task, jobs[0], inputs, check, include_usage, plain)
     async with s.lease(reply.model, task, inputs) as call:
+        wire = call.wire(plain, stream=False) if plain is not None and len(jobs) == 1 else None
+        if wire is not None:
+            return await call.relay_whole(wire)
         outs = [await call.generate(job) for job in jobs]
     if check is not None:
         for out in outs:
@@ -202,21 +207,21 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 
 async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,
-                    inputs: Inputs | None, check: Check | None, include_usage: bool
-                    ) -> StreamingResponse:
+                    inputs: Inputs | None, check: Check | None, include_usage: bool,
+                    plain: Plain | None) -> StreamingResponse:
     """The lease is taken before the response starts, so quota, load and unknown-model errors
     still get their status code; it is released when the stream ends, after the generating
     thread has stopped. Errors after the start are reported in-band, then `[DONE]`."""
-    return await event_stream(_events(s, reply, task, job, inputs, check, include_usage))
+    return await event_stream(_events(s, reply, task, job, inputs, check, include_usage, plain))
 
 
-async def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+async def event_stream(events: AsyncIterator[str | bytes]) -> StreamingResponse:
     """`events` as a server-sent-event response, once its first event has come: a generator
     that takes its lease before its first `yield` raises its PackserveError here, before the
     response starts, so that the error keeps its status code."""
     first = await events.__anext__()
 
-    async def body() -> AsyncIterator[str]:
+    async def body() -> AsyncIterator[str | bytes]:
         yield first
         async for event in events:
             yield event
@@ -226,9 +231,25 @@ async def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _events(s: Services, reply: Completion, task: Task, job: Generate,
-                  inputs: Inputs | None, check: Check | None, include_usage: bool
-                  ) -> AsyncIterator[str]:
-    async with s.lease(reply.model, task, inputs) as call, call.stream(job) as pieces:
+                  inputs: Inputs | None, check: Check | None, include_usage: bool,
+                  plain: Plain | None) -> AsyncIterator[str | bytes]:
+    async with s.lease(reply.model, task, inputs) as call:
+        wire = call.wire(plain, stream=True) if plain is not None else None
+        # Each inner generator is closed here, inside the lease, however the stream ends.
+        if wire is not None:
+            async with contextlib.aclosing(call.relay(wire, include_usage=include_usage)) as raw:
+                async for chunk in raw:
+                    yield chunk
+            return
+        async with contextlib.aclosing(_generated(reply, call, job, check,
+                                                  include_usage)) as events:
+            async for event in events:
+                yield event
+
+
+async def _generated(reply: Completion, call: Call, job: Generate, check: Check | None,
+                     include_usage: bool) -> AsyncGenerator[str]:
+    async with call.stream(job) as pieces:
         yield reply.opening()
         async for piece in pieces:
             yield sse(reply.chunk([reply.delta(piece.text, None, piece.logprobs)]))

@@ -17,6 +17,7 @@ from packserve.core.engine import Engine
 _BUILT_IN = (
     "packserve.backends.sentence_tf",
     "packserve.backends.llama",
+    "packserve.backends.llama_server",
     "packserve.backends.fake",
 )
 

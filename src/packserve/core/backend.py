@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from packserve.errors import TaskNotSupported
+from packserve.types import Task
 
 if TYPE_CHECKING:  # numpy is imported by the engines that make vectors, not by the config
     import numpy as np
@@ -151,6 +152,18 @@ class Generated:
     tool_calls: tuple[ToolCall, ...] = ()  # the answer is these calls (then `text` is "")
 
 
+@dataclass(frozen=True)
+class Wire:
+    """A generation an engine serves in OpenAI's own shape over HTTP on a unix socket (a
+    llama-server runner): the route sends `body` to `path` and relays the answer's bytes, with
+    the catalog's name for `served_as`, instead of building the answer from a `Generated`."""
+
+    socket: str
+    path: str
+    body: bytes
+    served_as: str  # the model name the engine writes into its answers
+
+
 # Called with each new piece of text and the logprobs of the tokens that made it (empty unless
 # asked); returning False asks the backend to stop early.
 OnText = Callable[[str, Sequence[TokenLogprob]], bool]
@@ -221,6 +234,14 @@ class Backend:
              on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot chat")
 
+    def wire(self, task: Task, messages: Sequence[Message] | str, params: GenerationParams,
+             *, stream: bool) -> Wire | None:
+        """The request to relay for this chat (`messages`) or completion (a prompt), if the
+        engine answers in OpenAI's shape itself; None: the route calls `chat` or `complete`.
+        Called on the event loop under a lease, only for plain generations (no tools, no
+        structured output, no logprobs, no echo); no I/O."""
+        return None
+
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot complete text")
@@ -273,6 +294,10 @@ class Runner:
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
         return self._backend.chat(messages, params, on_text)
+
+    def wire(self, task: Task, messages: Sequence[Message] | str, params: GenerationParams,
+             *, stream: bool) -> Wire | None:
+        return self._backend.wire(task, messages, params, stream=stream)
 
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:

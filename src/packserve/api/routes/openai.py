@@ -16,7 +16,7 @@ from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingReque
 from packserve.api.services import Inputs, ServicesDep
 from packserve.api.structured import check_json, response_format
 from packserve.api.tools import chat_with_tools, tool_use
-from packserve.core.backend import Generated, GenerationParams, OnText, Runner
+from packserve.core.backend import Generated, GenerationParams, OnText, Runner, Wire
 from packserve.core.backend import Message as ChatTurn
 from packserve.core.scheduler import ModelStatus
 from packserve.errors import InvalidRequest, ModelNotFound
@@ -89,10 +89,16 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
         if (schema is not None or json_mode) and out.finish_reason == "stop":
             check_json(out.text, schema, body.model)
 
+    def plain(runner: Runner, stream: bool) -> Wire | None:
+        return runner.wire(Task.CHAT, turns, params, stream=stream)
+
     inputs = Inputs([m.text for m in body.messages], "messages")
     return await answer(s, ChatCompletion(body.model, logprobs=body.logprobs), Task.CHAT, [run],
                         inputs=inputs,
-                        check=check, stream=body.stream, include_usage=body.include_usage)
+                        check=check, stream=body.stream, include_usage=body.include_usage,
+                        # structured output and logprobs are checked and shaped here
+                        plain=None if schema is not None or json_mode or body.logprobs
+                        else plain)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -115,9 +121,16 @@ async def completions(body: CompletionRequest, s: ServicesDep
     jobs = [_complete(prompt, params) for prompt in body.prompts]
     reply = TextCompletion(body.model, body.prompts, logprobs=body.logprobs is not None,
                            echo=body.echo)
+    prompt = body.prompts[0]
+
+    def plain(runner: Runner, stream: bool) -> Wire | None:
+        return runner.wire(Task.COMPLETE, prompt, params, stream=stream)
+
     return await answer(s, reply, Task.COMPLETE, jobs,
                         inputs=Inputs(body.prompts, "prompt"), stream=body.stream,
-                        include_usage=body.include_usage)
+                        include_usage=body.include_usage,
+                        plain=plain if len(body.prompts) == 1 and not body.echo
+                        and body.logprobs is None else None)
 
 
 def _complete(prompt: str, params: GenerationParams) -> Generate:

@@ -1,0 +1,491 @@
+"""llama.cpp in runner processes: each load is one `llama-server` child of the worker.
+
+The design of Ollama and of llama.cpp's own router, measured against the in-process engine
+(`backends.llama`) in docs/engines.md: the engine's loop (decode, sampling, detokenising,
+continuous batching of the load's `parallel` slots, prompt-prefix reuse, grammars) runs in C++
+with every core, and no Python runs per token inside it. The worker reads the runner's
+server-sent events and hands each piece of text to the request, as it does for any engine.
+
+What a runner is to the scheduler: its bytes are the child's proportional set size (`weight_bytes`
+reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it started, not the
+worker's growth); an unload stops the process; it has no warm state (`release_weights` is False:
+a runner that leaves is cold, and its next start reads the weights from the page cache). A runner
+that dies (SIGSEGV, an OOM kill) costs its own requests a 503 and nothing else; its next request
+finds it gone and the scheduler loads it anew (`RunnerGone`).
+
+The binary is built by scripts/setup.sh from the vendored llama.cpp of the pinned
+llama-cpp-python sdist, with the same portable flags and patches, into the virtual environment's
+`bin/` (`PACKSERVE_LLAMA_SERVER` names another).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from packserve.backends.llama import _context, _gguf, _size, _wire
+from packserve.core.backend import (
+    Alternative,
+    Backend,
+    FinishReason,
+    Generated,
+    GenerationParams,
+    Message,
+    OnText,
+    TokenLogprob,
+    Wire,
+)
+from packserve.core.compute import usable_cores
+from packserve.core.engine import Engine
+from packserve.errors import ConfigError, EngineCrashed, InputTooLong, InvalidRequest
+from packserve.types import Task
+
+BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
+START_TIMEOUT_S = 120.0  # a runner that is not serving by then failed to load
+RESTART_WINDOW_S = 30.0  # a runner that dies again this soon after a restart stays dead
+# Slots one runner decodes together (continuous batching), sharing one KV cache of the entry's
+# `context_length` (llama-server's own default: four, unified).
+DEFAULT_PARALLEL = 4
+
+# The runners are started from this one long-lived thread, made when the registry imports this
+# module (on the worker's main thread, at its priority): a child asks the kernel to kill it when
+# the thread that forked it ends (PR_SET_PDEATHSIG), so that thread must live as long as the
+# worker; and a child inherits its thread's nice, so it must not be one of the scheduler's load
+# threads (at `load_nice`), or the runner would serve at the loads' low priority. The
+# supervisor also kills the worker's whole process group when the worker dies; the death signal
+# covers a scheduler run inside another program (the tests).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packserve-runner-spawn")
+_SPAWNER.submit(int).result()  # the thread exists from now on
+_PR_SET_PDEATHSIG = 1
+
+
+class RunnerGone(EngineCrashed):
+    """The runner process of a model died: its requests in flight get 503 `engine_crashed`."""
+
+
+def binary() -> Path:
+    """The llama-server to run: `PACKSERVE_LLAMA_SERVER`, else the one setup built into the
+    virtual environment."""
+    named = os.environ.get(BINARY_ENV)
+    path = Path(named) if named else Path(sys.prefix) / "bin" / "llama-server"
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise ConfigError(f"llama-server not found at {path}: run scripts/setup.sh (it builds "
+                          f"it from llama.cpp's source) or set {BINARY_ENV}")
+    return path
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    """HTTP over the runner's unix socket (no port to race for, nothing on the network)."""
+
+    def __init__(self, path: str, timeout: float | None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class LlamaServerBackend(Backend):
+    """One load: one llama-server process serving the weights on a unix socket."""
+
+    _proc: subprocess.Popen[bytes] | None = None
+    _dir: Path | None = None
+    _template: str = ""
+
+    _unloaded: bool = False
+    _restarted_at: float = -math.inf
+
+    def __post_init__(self) -> None:
+        self.name = self.spec.path.name
+        self._restart_lock = threading.Lock()
+
+    # -- lifecycle (the scheduler's) -----------------------------------------------------------
+
+    def load(self) -> None:
+        if self.spec.device != "cpu":
+            raise ConfigError(f"{self.name}: device {self.spec.device} asked, but this "
+                              f"llama-server was built for the CPU only")
+        self._start()
+        try:
+            props = self._get("/props")
+            self._template = str(props.get("chat_template") or "")
+        except BaseException:
+            self.unload()
+            raise
+
+    def _start(self) -> None:
+        """Start the runner and return once it serves; raises (with its log's tail) if it
+        exits or is not serving within START_TIMEOUT_S."""
+        exe = binary()
+        self._dir = Path(tempfile.mkdtemp(prefix="packserve-runner-"))
+        threads = self.spec.threads or usable_cores()
+        slots = max(1, self.spec.parallel)
+        per_slot = self.spec.cache_per_slot
+        args = [str(exe), "--model", str(self.spec.path), "--host", str(self._socket),
+                "--ctx-size", str(self.spec.context_length * (slots if per_slot else 1)),
+                "--parallel", str(slots), "--threads", str(threads),
+                "--threads-batch", str(threads), "--alias", self.name, "--jinja",
+                "--no-webui", "--no-slots", "--offline"]
+        # A cache per slot with flash attention: each sequence's answer is the one it gets
+        # alone (docs/engines.md measured it); one shared cache is the leaner default.
+        args += ["--flash-attn", "on"] if per_slot else ["--kv-unified"]
+        log = open(self._dir / "runner.log", "wb")  # noqa: SIM115 (the child writes it)
+        try:
+            self._proc = _SPAWNER.submit(
+                subprocess.Popen, args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                preexec_fn=_die_with_parent, close_fds=True).result()
+        finally:
+            log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._stop()
+            raise
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise RuntimeError(f"llama-server for {self.name} exited while loading "
+                                   f"({self._exit()}): {self._log_tail()}")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = _UnixHTTP(str(self._socket), timeout=5)
+                try:
+                    conn.request("GET", "/health")
+                    if conn.getresponse().status == 200:
+                        return
+                finally:
+                    conn.close()
+            time.sleep(0.01)
+        raise RuntimeError(f"llama-server for {self.name} was not serving after "
+                           f"{START_TIMEOUT_S:.0f} s: {self._log_tail()}")
+
+    def unload(self) -> None:
+        self._unloaded = True
+        self._stop()
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        folder, self._dir = self._dir, None
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def weight_bytes(self) -> int:
+        """The runner's proportional set size: its weights' pages, its KV cache and buffers,
+        and its share of anything it maps with another process."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return 0
+        try:
+            for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return 0
+        return 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def _socket(self) -> Path:
+        assert self._dir is not None
+        return self._dir / "llama.sock"
+
+    def _exit(self) -> str:
+        rc = self._proc.poll() if self._proc is not None else None
+        if rc is None:
+            return "stopped"
+        return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+
+    def _log_tail(self, lines: int = 8) -> str:
+        if self._dir is None:
+            return ""
+        try:
+            text = (self._dir / "runner.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(line for line in text.splitlines()[-lines:] if line.strip())
+
+    # -- requests (a lease's) ------------------------------------------------------------------
+
+    def renders_tools(self) -> bool:
+        from packserve.backends.llama import template_renders_tools
+
+        return bool(self._template) and template_renders_tools(self._template)
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(self._post_json("/tokenize", {"content": t, "add_special": False,
+                                                  "parse_special": False})["tokens"])
+                for t in texts]
+
+    def chat(self, messages: Sequence[Message], params: GenerationParams,
+             on_text: OnText | None = None) -> Generated:
+        body: dict[str, Any] = {"messages": [_wire(m) for m in messages], **_sampling(params)}
+        if params.tools:
+            body["tools"] = [{"type": "function", "function": {
+                "name": t.name, "description": t.description, "parameters": t.parameters}}
+                for t in params.tools]
+        if params.logprobs is not None:
+            body["logprobs"] = True
+            body["top_logprobs"] = params.logprobs
+        return self._generate("/v1/chat/completions", body, on_text, "messages")
+
+    def wire(self, task: Task, messages: Sequence[Message] | str, params: GenerationParams,
+             *, stream: bool) -> Wire | None:
+        """Plain chats and completions go to the runner as they are and its answer is relayed
+        (`api.relay`): no thread, no decoding of each event in the worker. A dead runner
+        answers None, so that the request takes `chat`/`complete`, which starts it again."""
+        if self.dead() or self._dir is None:
+            return None
+        body: dict[str, Any] = {**_sampling(params), "stream": stream}
+        if isinstance(messages, str):
+            body["prompt"], path = messages, "/v1/completions"
+        else:
+            body["messages"], path = [_wire(m) for m in messages], "/v1/chat/completions"
+        if stream:
+            body["stream_options"] = {"include_usage": True}  # counted on the lease
+        return Wire(socket=str(self._socket), path=path, body=json.dumps(body).encode(),
+                    served_as=self.name)
+
+    def complete(self, prompt: str, params: GenerationParams,
+                 on_text: OnText | None = None) -> Generated:
+        if params.echo:
+            raise InvalidRequest(f"{self.name} runs in a llama-server runner, which cannot "
+                                 f"score a prompt's tokens (echo); serve it with backend = "
+                                 f"\"llama-cpp\" for that", param="echo")
+        body: dict[str, Any] = {"prompt": prompt, **_sampling(params)}
+        if params.logprobs is not None:
+            body["logprobs"] = params.logprobs
+        return self._generate("/v1/completions", body, on_text, "prompt")
+
+    def _generate(self, path: str, body: dict[str, Any], on_text: OnText | None,
+                  param: str) -> Generated:
+        text: list[str] = []
+        tokens: list[TokenLogprob] = []
+        finish: FinishReason = "stop"
+        prompt_tokens = completion_tokens = 0
+        with self._stream(path, body, param) as events:
+            for event in events:
+                if "error" in event:
+                    raise _error(event["error"], param, self.name)
+                for choice in event.get("choices") or ():
+                    piece = (choice.get("delta") or {}).get("content") \
+                        if "delta" in choice else choice.get("text")
+                    lp = _logprobs(choice.get("logprobs"))
+                    tokens.extend(lp)
+                    if piece:
+                        text.append(piece)
+                        if on_text is not None and not on_text(piece, lp):
+                            # The client left: closing the connection stops the slot at once.
+                            return Generated(text="".join(text), finish_reason="stop",
+                                             prompt_tokens=prompt_tokens,
+                                             completion_tokens=len(tokens) or len(text),
+                                             logprobs=tuple(tokens))
+                    if choice.get("finish_reason"):
+                        finish = "length" if choice["finish_reason"] == "length" else "stop"
+                usage = event.get("usage")
+                if usage:
+                    prompt_tokens = int(usage.get("prompt_tokens", 0))
+                    completion_tokens = int(usage.get("completion_tokens", 0))
+        wanted = "logprobs" in body
+        return Generated(text="".join(text), finish_reason=finish, prompt_tokens=prompt_tokens,
+                         completion_tokens=completion_tokens,
+                         logprobs=tuple(tokens) if wanted else None)
+
+    @contextlib.contextmanager
+    def _stream(self, path: str, body: dict[str, Any], param: str
+                ) -> Iterator[Iterator[dict[str, Any]]]:
+        """POST `body` with `stream` on; yields the decoded events. Closing the connection
+        (leaving the block early) cancels the generation in the runner."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        conn = self._connect()
+        try:
+            yield _events(self._post(conn, path, body, param), self)
+        finally:
+            conn.close()
+
+    def _post(self, conn: _UnixHTTP, path: str, body: dict[str, Any], param: str
+              ) -> http.client.HTTPResponse:
+        """POST `body` as JSON; the response once it is a 200 (its body unread)."""
+        try:
+            conn.request("POST", path, body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            if response.status != 200:
+                data = _json(response.read())
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._gone(exc) from exc
+        if response.status != 200:
+            raise _error(data.get("error", {}), param, self.name)
+        return response
+
+    def _connect(self) -> _UnixHTTP:
+        if self.dead():
+            self._revive()
+        return _UnixHTTP(str(self._socket), timeout=None)
+
+    def _revive(self) -> None:
+        """A request found the runner dead (it crashed after its load): start it again in
+        place, once per RESTART_WINDOW_S; the bytes were the model's all along. Requests that
+        were running in it have had their 503. A second death within the window stays dead:
+        503s until the model is evicted or an operator reloads it."""
+        with self._restart_lock:
+            if not self.dead():
+                return  # another request restarted it
+            if self._unloaded:
+                raise self._gone(None)
+            now = time.monotonic()
+            if now - self._restarted_at < RESTART_WINDOW_S:
+                raise self._gone(None)
+            gone = self._gone(None)
+            self._restarted_at = now
+            self._stop()
+            try:
+                self._start()
+            except Exception as exc:
+                raise gone from exc
+
+    def _gone(self, exc: BaseException | None) -> RunnerGone:
+        alive = self._proc is not None and self._proc.poll() is None
+        why = f": {exc}" if exc is not None and alive else f" ({self._exit()})"
+        return RunnerGone(f"the llama-server runner of {self.name} is gone{why}",
+                          retry_after_s=1)
+
+    def dead(self) -> bool:
+        """The runner exited (or was killed) after it loaded."""
+        return self._proc is None or self._proc.poll() is not None
+
+    def _get(self, path: str) -> dict[str, Any]:
+        conn = self._connect()
+        try:
+            conn.request("GET", path)
+            return _json(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        conn = self._connect()
+        try:
+            response = self._post(conn, path, body, "input")
+            try:
+                return _json(response.read())
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._gone(exc) from exc
+        finally:
+            conn.close()
+
+
+def _sampling(params: GenerationParams) -> dict[str, Any]:
+    body: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
+                            "cache_prompt": True}
+    if params.max_tokens is not None:
+        body["max_tokens"] = params.max_tokens
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.seed is not None:
+        body["seed"] = params.seed % 2**32
+    if params.json_schema is not None:
+        body["json_schema"] = params.json_schema
+    elif params.json_object:
+        body["json_schema"] = {"type": "object"}
+    return body
+
+
+def _events(response: http.client.HTTPResponse, backend: LlamaServerBackend
+            ) -> Iterator[dict[str, Any]]:
+    while True:
+        try:
+            line = response.readline()
+        except (OSError, http.client.HTTPException) as exc:
+            raise backend._gone(exc) from exc
+        if not line:
+            if backend.dead():
+                raise backend._gone(None)
+            return
+        if not line.startswith(b"data: "):
+            if line.startswith(b"error: "):
+                yield {"error": _json(line[7:]).get("error", _json(line[7:]))}
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            return
+        yield _json(payload)
+
+
+def _json(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {"message": data.decode("utf-8", "replace")}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _error(error: object, param: str, name: str) -> Exception:
+    """A runner's error as packserve's: a prompt over the window is InputTooLong, any other
+    400 InvalidRequest, anything else a failure of the engine (500)."""
+    info = error if isinstance(error, dict) else {"message": str(error)}
+    message = str(info.get("message", "")) or "llama-server refused the request"
+    kind = str(info.get("type", ""))
+    if kind == "exceed_context_size_error" or ("context" in message and "exceed" in message):
+        return InputTooLong(f"{message} ({name})", param=param)
+    if info.get("code") == 400 or kind == "invalid_request_error":
+        return InvalidRequest(f"{name}: {message}", param=param)
+    return RuntimeError(f"llama-server for {name} failed: {message}")
+
+
+def _logprobs(shape: object) -> list[TokenLogprob]:
+    """llama-server's OpenAI-shaped logprobs (`{"content": [...]}`) as TokenLogprobs."""
+    if not isinstance(shape, dict):
+        return []
+    out = []
+    for entry in shape.get("content") or ():
+        out.append(TokenLogprob(
+            token=entry.get("token", ""), bytes=bytes(entry.get("bytes") or b""),
+            logprob=float(entry.get("logprob", 0.0)),
+            top=tuple(Alternative(token=a.get("token", ""), bytes=bytes(a.get("bytes") or b""),
+                                  logprob=float(a.get("logprob", 0.0)))
+                      for a in entry.get("top_logprobs") or ())))
+    return out
+
+
+ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
+                default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=_size,
+                check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL)
+ENGINES = (ENGINE,)
