@@ -10,7 +10,7 @@ PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
 want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f .venv/.llama-cpp-patches ] \
-    && [ -x .venv/bin/llama-server ]; then
+    && [ -x .venv/bin/llama-server ] && [ -d .venv/share/packserve/llama.cpp ]; then
   exit 0
 fi
 
@@ -84,7 +84,7 @@ server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_
 server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
 server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
-if [ ! -x "$server_dir/llama-server" ]; then
+if [ ! -x "$server_dir/llama-server" ] || [ ! -f "$server_dir/llama.cpp/convert_hf_to_gguf.py" ]; then
   echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; ~8 min) into $server_dir" >&2
   llama_source
   build_dir="$source_dir/vendor/llama.cpp/build-server"
@@ -93,6 +93,11 @@ if [ ! -x "$server_dir/llama-server" ]; then
   cmake --build "$build_dir" --target llama-server -j "$(nproc)" >/dev/null
   rm -rf "$server_dir.partial" && mkdir -p "$server_dir.partial"
   cp "$build_dir/bin/llama-server" "$server_dir.partial/"
+  # llama.cpp's converter from Hugging Face folders to GGUF, with what it imports (2 MB):
+  # `packserve bench peers` makes the router's MiniLM GGUF with it.
+  mkdir -p "$server_dir.partial/llama.cpp"
+  cp -r "$source_dir/vendor/llama.cpp/"{convert_hf_to_gguf.py,conversion,gguf-py,LICENSE} \
+    "$server_dir.partial/llama.cpp/"
   (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$server_dir.partial/patches.sha256"
   rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
 fi
@@ -108,6 +113,8 @@ if ! cmp -s "$server_dir/llama-server" .venv/bin/llama-server; then
   cp "$server_dir/llama-server" .venv/bin/llama-server.partial
   mv .venv/bin/llama-server.partial .venv/bin/llama-server
 fi
+rm -rf .venv/share/packserve/llama.cpp && mkdir -p .venv/share/packserve
+cp -r "$server_dir/llama.cpp" .venv/share/packserve/llama.cpp
 
 echo "packserve setup: dependencies" >&2
 pip install -q -r requirements.txt

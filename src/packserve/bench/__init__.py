@@ -30,7 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default="~/.cache/packserve",
                         help="packserve data dir for the servers it starts (assembled GGUFs)")
     parser.add_argument("--peers-dir", default=".venv-peers",
-                        help="virtual environments of the peers (infinity/, llama/)")
+                        help="virtual environments of the peers (infinity/)")
+    parser.add_argument("--llama-src", help="peers: llama.cpp's source folder or its "
+                        "convert_hf_to_gguf.py, for the router's MiniLM GGUF (default: the one "
+                        "scripts/setup.sh keeps in .venv/share/packserve/llama.cpp)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead, reliability: ABAB rounds")
     parser.add_argument("--duration", type=float,
                         help="trace: seconds of arrivals per policy (default 120); soak: seconds "
@@ -74,7 +77,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",
-                                                 "validate", "profile")
+                                                 "validate", "profile", "llama_src")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,
