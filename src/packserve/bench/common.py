@@ -214,7 +214,7 @@ def packserve_argv(*args: str) -> list[str]:
 def rss_bytes(pid: int) -> int:
     """Resident memory of `pid` and all its descendants, from /proc."""
     total = 0
-    for p in [pid, *_descendants(pid)]:
+    for p in [pid, *descendants(pid)]:
         with contextlib.suppress(OSError, ValueError):
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -222,13 +222,13 @@ def rss_bytes(pid: int) -> int:
     return total
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     out: list[int] = []
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError, ValueError):
                 for child in (task / "children").read_text().split():
-                    out.extend([int(child), *_descendants(int(child))])
+                    out.extend([int(child), *descendants(int(child))])
     return out
 
 

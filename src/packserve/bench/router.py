@@ -26,6 +26,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from packserve.bench.common import descendants
+
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
 SOURCE_ENV = "PACKSERVE_LLAMA_SRC"
 CONVERTER = "convert_hf_to_gguf.py"
@@ -142,7 +144,7 @@ def pss(pid: int) -> dict[str, int]:
     """Proportional set size (bytes) of `pid` and every descendant, by `comm[pid]`, from
     /proc/PID/smaps_rollup. Processes that are gone by the time they are read are left out."""
     out: dict[str, int] = {}
-    for p in [pid, *_descendants(pid)]:
+    for p in [pid, *descendants(pid)]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             comm = Path(f"/proc/{p}/comm").read_text().strip()
             for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
@@ -151,12 +153,3 @@ def pss(pid: int) -> dict[str, int]:
                     break
     return out
 
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                for child in (task / "children").read_text().split():
-                    out.extend([int(child), *_descendants(int(child))])
-    return out
