@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="packserve data dir for the servers it starts (assembled GGUFs)")
     parser.add_argument("--peers-dir", default=".venv-peers",
                         help="virtual environments of the peers (infinity/)")
+    parser.add_argument("--llama-engine", choices=("llama-server", "llama-cpp"),
+                        help="peers: the engine of packserve's llama.cpp models (default the "
+                        "catalog's, llama-server runners; llama-cpp: in the worker, every core, "
+                        "four slots)")
     parser.add_argument("--llama-src", help="peers: llama.cpp's source folder or its "
                         "convert_hf_to_gguf.py, for the router's MiniLM GGUF (default: the one "
                         "scripts/setup.sh keeps in .venv/share/packserve/llama.cpp)")
@@ -77,7 +81,8 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",
-                                                 "validate", "profile", "llama_src")
+                                                 "validate", "profile", "llama_src",
+                                                 "llama_engine")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,

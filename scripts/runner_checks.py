@@ -1,0 +1,98 @@
+"""Two measurements of llama-server runners that docs/engines.md quotes.
+
+    .venv/bin/python scripts/runner_checks.py drift        # greedy answers: together vs alone
+    .venv/bin/python scripts/runner_checks.py contention   # two busy runners on the same cores
+
+`drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
+tokens), then three times four at once; how many answers are identical, with the shared cache
+and with a cache per slot. `contention`: two runners of SmolLM2 (every core each), three chats
+of 128 tokens each, alone and both at once, with llama.cpp's default thread waiting and with
+OMP_WAIT_POLICY=passive. Prints what it measured; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from packserve import backends
+from packserve.backends.llama_server import LlamaServerBackend
+from packserve.config import load_config
+from packserve.core.backend import GenerationParams, Message
+from packserve.sources import resolve_source
+
+PROMPTS = ["Count from 2 to 7.", "Name three colours.", "What is the capital of France?",
+           "Write a haiku about rain.", "Explain gravity in one sentence.", "List four fruits.",
+           "Say hello in Spanish.", "What is 12 times 3?"]
+
+
+def runner(per_slot: bool = False, parallel: int = 4) -> LlamaServerBackend:
+    spec = next(m for m in load_config(None).models if m.name == "smollm2-135m-instruct")
+    folder = Path(tempfile.mkdtemp())
+    path = resolve_source(spec.source, base_dir=folder, models_dir=folder, roots=None)
+    engine = backends.get("llama-server")
+    backend = engine.build(engine.load_spec(path, "cpu", 2048, 64, {}, parallel=parallel,
+                                            cache_per_slot=per_slot))
+    assert isinstance(backend, LlamaServerBackend)
+    backend.load()
+    return backend
+
+
+def drift() -> None:
+    greedy = GenerationParams(max_tokens=48, temperature=0.0)
+    chats = [[Message(role="user", content=p)] for p in PROMPTS]
+    for per_slot in (False, True):
+        backend = runner(per_slot)
+        try:
+            alone = [backend.chat(c, greedy).text for c in chats]
+            same = total = 0
+            for _ in range(3):
+                with ThreadPoolExecutor(4) as pool:
+                    together = list(pool.map(lambda c: backend.chat(c, greedy).text, chats))
+                same += sum(a == t for a, t in zip(alone, together, strict=True))
+                total += len(chats)
+            cache = "a cache per slot" if per_slot else "one shared cache"
+            print(f"{cache}: {same}/{total} answers identical to the lone answer; "
+                  f"PSS {backend.weight_bytes() / 2**20:.0f} MiB")
+        finally:
+            backend.unload()
+
+
+def contention() -> None:
+    chat = [Message(role="user", content="Write a long story about a dragon.")]
+    params = GenerationParams(max_tokens=128, temperature=0.0)
+
+    def rate(backend: LlamaServerBackend, out: list[float]) -> None:
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(3):
+            tokens += backend.chat(chat, params).completion_tokens
+        out.append(tokens / (time.perf_counter() - t0))
+
+    for policy in ("", "passive"):
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        if policy:
+            os.environ["OMP_WAIT_POLICY"] = policy
+        pair = [runner(parallel=1), runner(parallel=1)]
+        try:
+            alone: list[float] = []
+            rate(pair[0], alone)
+            both: list[float] = []
+            threads = [threading.Thread(target=rate, args=(b, both)) for b in pair]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            print(f"OMP_WAIT_POLICY={policy or '(llama.cpp default)'}: alone {alone[0]:.0f} "
+                  f"tokens/s; two at once {' + '.join(f'{r:.0f}' for r in both)} tokens/s")
+        finally:
+            for b in pair:
+                b.unload()
+
+
+if __name__ == "__main__":
+    {"drift": drift, "contention": contention}[sys.argv[1]]()
