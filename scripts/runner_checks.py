@@ -49,11 +49,14 @@ def drift() -> None:
     for per_slot in (False, True):
         backend = runner(per_slot)
         try:
-            alone = [backend.chat(c, greedy).text for c in chats]
+            def answer(chat: list[Message], b: LlamaServerBackend = backend) -> str:
+                return b.chat(chat, greedy).text
+
+            alone = [answer(c) for c in chats]
             same = total = 0
             for _ in range(3):
                 with ThreadPoolExecutor(4) as pool:
-                    together = list(pool.map(lambda c: backend.chat(c, greedy).text, chats))
+                    together = list(pool.map(answer, chats))
                 same += sum(a == t for a, t in zip(alone, together, strict=True))
                 total += len(chats)
             cache = "a cache per slot" if per_slot else "one shared cache"
