@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from fastapi.responses import StreamingResponse
 
+from packserve.api import relay
 from packserve.api.calls import Call, Generate, Plain
 from packserve.api.errors import described
 from packserve.api.services import Inputs, Services
@@ -188,7 +189,8 @@ async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Gene
     async with s.lease(reply.model, task, inputs) as call:
         wire = call.wire(plain, stream=False) if plain is not None and len(jobs) == 1 else None
         if wire is not None:
-            return await call.relay_whole(wire)
+            with contextlib.suppress(relay.Unreachable):  # then the engine's own way, below
+                return await call.relay_whole(wire)
         outs = [await call.generate(job) for job in jobs]
     if check is not None:
         for out in outs:
@@ -238,9 +240,15 @@ async def _events(s: Services, reply: Completion, task: Task, job: Generate,
         # Each inner generator is closed here, inside the lease, however the stream ends.
         if wire is not None:
             async with contextlib.aclosing(call.relay(wire, include_usage=include_usage)) as raw:
-                async for chunk in raw:
-                    yield chunk
-            return
+                try:
+                    opened = await raw.__anext__()
+                except relay.Unreachable:
+                    opened = None  # nothing ran: the engine's own way, below
+                if opened is not None:
+                    yield opened
+                    async for chunk in raw:
+                        yield chunk
+                    return
         async with contextlib.aclosing(_generated(reply, call, job, check,
                                                   include_usage)) as events:
             async for event in events:

@@ -26,6 +26,12 @@ from packserve.errors import (
 )
 
 READ = 65536
+
+
+class Unreachable(EngineCrashed):
+    """The engine did not take the request (its socket refused or closed before an answer
+    began): nothing ran, so the route may serve it another way (`Runner.chat`, which starts a
+    dead runner again)."""
 Count = Callable[[int, int], None]  # prompt tokens, completion tokens
 
 
@@ -71,8 +77,8 @@ class _Exchange:
                 if not await self.read():
                     raise ConnectionError("closed before its answer")
         except (OSError, httptools.HttpParserError) as exc:
-            raise EngineCrashed(f"the engine of {self.model} went away: {exc}",
-                                retry_after_s=1) from exc
+            raise Unreachable(f"the engine of {self.model} went away: {exc}",
+                              retry_after_s=1) from exc
         return int(self.parser.get_status_code())
 
     async def read(self) -> bool:

@@ -1,0 +1,129 @@
+"""The default chat and completion models through the HTTP app, in llama-server runners: a plain
+stream relayed from the runner (the catalog's name in it, its tokens counted, usage only when
+asked), a client that leaves stops the runner's generation, and a runner killed mid-stream ends
+that stream with `engine_crashed` while the next request is served by a new runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from packserve.core.events import RequestEvent
+from tests.factories import Running, default_config, serve
+
+pytestmark = pytest.mark.real
+
+CHAT = "smollm2-135m-instruct"
+LONG = {"model": CHAT, "max_tokens": 1500, "temperature": 0.8, "stream": True,
+        "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]}
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path) -> Iterator[Running]:
+    with serve(default_config(models_dir, only_models=[CHAT, "gemma-3-270m"])) as running:
+        yield running
+
+
+def _runners() -> dict[int, str]:
+    """This process's llama-server children: pid -> command line."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = next(int(line.split()[1]) for line in status.splitlines()
+                    if line.startswith("PPid:"))
+        if ppid == os.getpid() and "llama-server" in command and " Z" not in status:
+            out[int(entry.name)] = command
+    return out
+
+
+def _runner_of(model_file: str) -> int:
+    (pid,) = [p for p, command in _runners().items() if model_file in command]
+    return pid
+
+
+def _completion_tokens(server: Running) -> int:
+    return sum(e.completion_tokens for e in server.events
+               if isinstance(e, RequestEvent) and e.model == CHAT)
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_a_plain_stream_is_the_runners_with_the_catalogs_name(server: Running) -> None:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120) as sdk:
+        before = _completion_tokens(server)
+        chunks = list(sdk.chat.completions.create(
+            model=CHAT, max_tokens=6, temperature=0, stream=True,
+            messages=[{"role": "user", "content": "Name a colour."}]))
+        assert chunks and {c.model for c in chunks} == {CHAT}
+        assert all(c.usage is None for c in chunks)  # not asked for
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        with_usage = list(sdk.chat.completions.create(
+            model=CHAT, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "Name a colour."}]))
+        usage = with_usage[-1].usage
+        assert usage is not None and usage.completion_tokens == 6 and usage.prompt_tokens > 0
+        assert "".join(c.choices[0].delta.content or "" for c in with_usage
+                       if c.choices) == text
+        # both counted on the lease, from the runner's usage
+        assert _completion_tokens(server) - before == 12
+        whole = sdk.completions.create(model="gemma-3-270m", prompt="Once upon a time",
+                                       max_tokens=4, temperature=0)
+        assert whole.model == "gemma-3-270m" and whole.usage is not None
+        assert whole.usage.completion_tokens == 4
+
+
+def test_a_client_that_leaves_stops_the_runners_generation(server: Running) -> None:
+    with httpx.Client(base_url=server.url, timeout=120) as c, \
+            c.stream("POST", "/v1/chat/completions", json=LONG) as r:
+        assert r.status_code == 200
+        events: list[str] = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) >= 5:
+                break
+    runner = _runner_of("SmolLM2")
+    time.sleep(0.5)  # the runner sees the closed connection at its next token
+    start = _cpu_ticks(runner)
+    time.sleep(1.0)
+    # Generating, its threads take most of both cores (~100+ ticks/s); stopped, next to none.
+    assert _cpu_ticks(runner) - start < 15
+
+
+def test_a_runner_killed_mid_stream_ends_that_stream_and_the_next_is_served(
+        server: Running) -> None:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/v1/chat/completions", json=LONG) as r:
+            assert r.status_code == 200
+            events: list[str] = []
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 3:
+                    os.kill(_runner_of("SmolLM2"), signal.SIGKILL)
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "engine_crashed" and CHAT in error["message"]
+        again = c.post("/v1/chat/completions", json={**LONG, "stream": False,
+                                                     "max_tokens": 4})
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["completion_tokens"] == 4
