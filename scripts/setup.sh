@@ -77,7 +77,7 @@ if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
   rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
 fi
 # llama.cpp's own server, from the same patched source and flags: the runner process of the
-# llama-server engine (one per loaded GGUF model; docs/engines.md). Static, so that it needs
+# llama-server engine (one per loaded GGUF model; docs/engines.md). llama.cpp linked in, so it needs
 # nothing from the wheel; no web UI, no TLS, nothing downloaded at build or run time.
 server_flags="$llama_flags -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON"
 server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
@@ -85,7 +85,7 @@ server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
 server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
 if [ ! -x "$server_dir/llama-server" ] || [ ! -f "$server_dir/llama.cpp/convert_hf_to_gguf.py" ]; then
-  echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; ~8 min) into $server_dir" >&2
+  echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; 6-12 min) into $server_dir" >&2
   llama_source
   build_dir="$source_dir/vendor/llama.cpp/build-server"
   # shellcheck disable=SC2086 # the flags are words

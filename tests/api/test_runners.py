@@ -87,7 +87,12 @@ def test_a_plain_stream_is_the_runners_with_the_catalogs_name(server: Running) -
         whole = sdk.completions.create(model="gemma-3-270m", prompt="Once upon a time",
                                        max_tokens=4, temperature=0)
         assert whole.model == "gemma-3-270m" and whole.usage is not None
-        assert whole.usage.completion_tokens == 4
+        assert whole.usage.completion_tokens == 4 and whole.id.startswith("cmpl-")
+        streamed = list(sdk.completions.create(model="gemma-3-270m", prompt="Once upon a time",
+                                               max_tokens=4, temperature=0, stream=True))
+        assert {c.id for c in streamed} == {streamed[0].id} and streamed[0].id.startswith("cmpl-")
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == \
+            whole.choices[0].text
 
 
 def test_a_client_that_leaves_stops_the_runners_generation(server: Running) -> None:

@@ -139,6 +139,9 @@ async def whole(wire: Wire, model: str, count: Count) -> dict[str, Any]:
         raise EngineCrashed(f"the engine of {model} went away mid-answer", retry_after_s=1)
     out: dict[str, Any] = orjson.loads(body)
     out["model"] = model
+    if wire.id_prefix is not None and isinstance(out.get("id"), str):
+        theirs, ours = wire.id_prefix
+        out["id"] = ours + out["id"].removeprefix(theirs)
     out.pop("timings", None)
     usage = out.get("usage") or {}
     count(int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0)))
@@ -155,8 +158,11 @@ async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool
         if status != 200:
             raise await exchange.refusal(status)
         yield b""  # open: the response may start
-        ours = b'"model":' + json.dumps(model).encode()
-        theirs = b'"model":' + json.dumps(wire.served_as).encode()
+        renames = [(b'"model":' + json.dumps(wire.served_as).encode(),
+                    b'"model":' + json.dumps(model).encode())]
+        if wire.id_prefix is not None:
+            renames.append((b'"id":"' + wire.id_prefix[0].encode(),
+                            b'"id":"' + wire.id_prefix[1].encode()))
         pending = b""
         while True:
             pending += exchange.take()
@@ -178,7 +184,9 @@ async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool
                     out.append(_event(described(error)[0]))
                     continue
                 if event:
-                    out.append(event.replace(theirs, ours) + b"\n\n")
+                    for theirs, ours in renames:
+                        event = event.replace(theirs, ours)
+                    out.append(event + b"\n\n")
             if out:
                 yield b"".join(out)
             if not await exchange.read():

@@ -282,7 +282,9 @@ class LlamaServerBackend(Backend):
         if stream:
             body["stream_options"] = {"include_usage": True}  # counted on the lease
         return Wire(socket=str(self._socket), path=path, body=json.dumps(body).encode(),
-                    served_as=self.name)
+                    served_as=self.name,
+                    # llama-server names text completions as it names chats
+                    id_prefix=("chatcmpl-", "cmpl-") if isinstance(messages, str) else None)
 
     def complete(self, prompt: str, params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:

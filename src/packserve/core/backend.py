@@ -162,6 +162,8 @@ class Wire:
     path: str
     body: bytes
     served_as: str  # the model name the engine writes into its answers
+    # The start of the engine's answer ids and OpenAI's for this route, where they differ.
+    id_prefix: tuple[str, str] | None = None
 
 
 # Called with each new piece of text and the logprobs of the tokens that made it (empty unless
