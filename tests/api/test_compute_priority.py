@@ -1,5 +1,6 @@
 """Compute goes to the tightest deadline, through the real server and real models: a long
-completion on Gemma hands its turn to embeddings between tokens (core.compute)."""
+completion on Gemma (in the worker: `llama-cpp`) hands its turn to embeddings between tokens
+(core.compute)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ EMBEDDER, COMPLETE = "all-minilm-l6-v2", "gemma-3-270m"
 @pytest.fixture(scope="module")
 def prioritised(models_dir: Path) -> Iterator[Running]:
     config = default_config(models_dir)
+    # Per-token turns are the in-process engine's: a llama-server runner decodes on its own.
     config = config.model_copy(update={
-        "server": config.server.model_copy(update={"compute_priority": True})})
+        "server": config.server.model_copy(update={"compute_priority": True}),
+        "models": [m.model_copy(update={"backend": "llama-cpp"}) if m.backend == "llama-server"
+                   else m for m in config.models]})
     with serve(config) as running:
         yield running
 

@@ -437,10 +437,8 @@ def _events(response: http.client.HTTPResponse, backend: LlamaServerBackend
             line = response.readline()
         except (OSError, http.client.HTTPException) as exc:
             raise backend._gone(exc) from exc
-        if not line:
-            if backend.dead():
-                raise backend._gone(None)
-            return
+        if not line:  # the answer ended before its [DONE]: the runner died (it may not
+            raise backend._gone(None)  # have been reaped yet, so do not ask whether it did)
         if not line.startswith(b"data: "):
             if line.startswith(b"error: "):
                 yield {"error": _json(line[7:]).get("error", _json(line[7:]))}
