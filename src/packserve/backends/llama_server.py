@@ -153,7 +153,9 @@ class LlamaServerBackend(Backend):
                 "--ctx-size", str(self.spec.context_length * (slots if per_slot else 1)),
                 "--parallel", str(slots), "--threads", str(threads),
                 "--threads-batch", str(threads), "--alias", self.name, "--jinja",
-                "--no-webui", "--no-slots", "--offline"]
+                "--no-webui", "--no-slots", "--offline",
+                # warnings and errors only: a line per request would grow the log without end
+                "--log-verbosity", "2"]
         # A cache per slot with flash attention: each sequence's answer is the one it gets
         # alone (docs/engines.md measured it); one shared cache is the leaner default.
         args += ["--flash-attn", "on"] if per_slot else ["--kv-unified"]
