@@ -43,6 +43,7 @@ from packserve.core.scheduler import (
 )
 from packserve.metrics.telemetry import Telemetry
 from packserve.server import build_keyring, build_scheduler, build_telemetry
+from packserve.sources import resolve_source
 from packserve.types import State, Task
 
 # ---------------------------------------------------------- the default catalog on the test device
@@ -57,6 +58,13 @@ def default_config(data_dir: Path, **overrides: object) -> Config:
         "server": config.server.model_copy(update={"data_dir": str(data_dir)}),
         "models": [m.model_copy(update={"device": TEST_DEVICE}) for m in config.models],
     })
+
+
+def catalog_path(name: str, tmp: Path) -> Path:
+    """The weights file of the default catalog's entry `name`, resolved as the server would
+    (an assembled GGUF lands under `tmp`)."""
+    spec = next(m for m in load_config(None).models if m.name == name)
+    return resolve_source(spec.source, base_dir=tmp, models_dir=tmp / "models", roots=None)
 
 
 # ----------------------------------------- servers in this process (a real uvicorn on a free port)

@@ -18,7 +18,7 @@ from packserve.backends.llama_batch import _held, _incomplete_utf8, _stop_at
 from packserve.config import load_config
 from packserve.core.backend import GenerationParams, Message, TokenLogprob
 from packserve.server import resolve_models
-from packserve.sources import resolve_source
+from tests.factories import catalog_path
 
 CHAT = "smollm2-135m-instruct"
 
@@ -60,9 +60,7 @@ def test_the_footprint_counts_each_slots_cache_and_logits(tmp_path: Path) -> Non
 
 def _load(tmp_path: Path, parallel: int, context: int = 2048,
           per_slot: bool = False) -> LlamaCppBackend:
-    spec = next(m for m in load_config(None).models if m.name == CHAT)
-    path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
-                          roots=None)
+    path = catalog_path(CHAT, tmp_path)
     engine = backends.get("llama-cpp")
     backend = engine.build(engine.load_spec(path, "cpu", context, 1, {}, parallel=parallel,
                                             cache_per_slot=per_slot))

@@ -16,10 +16,9 @@ import pytest
 
 from packserve import backends
 from packserve.backends.llama_server import LlamaServerBackend, RunnerGone
-from packserve.config import load_config
 from packserve.core.backend import GenerationParams, Message, TokenLogprob
 from packserve.errors import InvalidRequest
-from packserve.sources import resolve_source
+from tests.factories import catalog_path
 
 pytestmark = pytest.mark.real
 
@@ -29,9 +28,7 @@ HELLO = [Message(role="user", content="Name three colours of the rainbow.")]
 
 def _backend(tmp_path: Path, name: str, parallel: int = 4,
              per_slot: bool = False) -> LlamaServerBackend:
-    spec = next(m for m in load_config(None).models if m.name == name)
-    path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
-                          roots=None)
+    path = catalog_path(name, tmp_path)
     engine = backends.get("llama-server")
     backend = engine.build(engine.load_spec(path, "cpu", 1024, 64, {}, parallel=parallel,
                                              cache_per_slot=per_slot))
