@@ -112,6 +112,10 @@ class _UnixHTTP(http.client.HTTPConnection):
             raise
         self.sock = sock
 
+    def retarget(self, path: str) -> None:
+        """Connect to `path` from the next request on (a runner started again)."""
+        self._path = path
+
 
 class LlamaServerBackend(Backend):
     """One load: one llama-server process serving the weights on a unix socket."""
@@ -347,18 +351,35 @@ class LlamaServerBackend(Backend):
 
     def _post(self, conn: _UnixHTTP, path: str, body: dict[str, Any], param: str
               ) -> http.client.HTTPResponse:
-        """POST `body` as JSON; the response once it is a 200 (its body unread)."""
+        """POST `body` as JSON; the response once it is a 200 (its body unread). A runner
+        that was dying when `conn` was made (killed, not reaped yet) is started again and the
+        request sent once more: nothing ran for it."""
         try:
-            conn.request("POST", path, body=json.dumps(body).encode(),
-                         headers={"Content-Type": "application/json"})
-            response = conn.getresponse()
-            if response.status != 200:
-                data = _json(response.read())
+            response = self._send(conn, path, body)
         except (OSError, http.client.HTTPException) as exc:
-            raise self._gone(exc) from exc
+            proc = self._proc
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if proc is not None:
+                    proc.wait(timeout=1)  # a dying runner is gone within this
+            if not self.dead():
+                raise self._gone(exc) from exc
+            conn.close()
+            self._revive()
+            conn.retarget(str(self._socket))
+            try:
+                response = self._send(conn, path, body)
+            except (OSError, http.client.HTTPException) as again:
+                raise self._gone(again) from again
         if response.status != 200:
+            data = _json(response.read())
             raise _error(data.get("error", {}), param, self.name)
         return response
+
+    @staticmethod
+    def _send(conn: _UnixHTTP, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        return conn.getresponse()
 
     def _connect(self) -> _UnixHTTP:
         if self.dead():
