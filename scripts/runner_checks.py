@@ -1,13 +1,15 @@
 """Two measurements of llama-server runners that docs/engines.md quotes.
 
     .venv/bin/python scripts/runner_checks.py drift        # greedy answers: together vs alone
-    .venv/bin/python scripts/runner_checks.py contention   # two busy runners on the same cores
+    .venv/bin/python scripts/runner_checks.py contention [NAME=VALUE ...]
+                                                  # two busy runners on the same cores
 
 `drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
 tokens), then three times four at once; how many answers are identical, with the shared cache
 and with a cache per slot. `contention`: two runners of SmolLM2 (every core each), three chats
-of 128 tokens each, alone and both at once, with llama.cpp's default thread waiting and with
-OMP_WAIT_POLICY=passive. Prints what it measured; asserts nothing.
+of 128 tokens each, alone and both at once, in each environment given (a variable set for the
+runners: `OMP_WAIT_POLICY=passive`, `GOMP_SPINCOUNT=10000`; an empty argument, nothing set;
+default: nothing set, then OMP_WAIT_POLICY=passive). Prints what it measured; asserts nothing.
 """
 
 from __future__ import annotations
@@ -76,10 +78,13 @@ def contention() -> None:
             tokens += backend.chat(chat, params).completion_tokens
         out.append(tokens / (time.perf_counter() - t0))
 
-    for policy in ("", "passive"):
-        os.environ.pop("OMP_WAIT_POLICY", None)
-        if policy:
-            os.environ["OMP_WAIT_POLICY"] = policy
+    settings = sys.argv[2:] or ["", "OMP_WAIT_POLICY=passive"]
+    for setting in settings:
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PACKSERVE_RUNNER_SPIN"):
+            os.environ.pop(name, None)
+        if setting:
+            name, _, value = setting.partition("=")
+            os.environ[name] = value
         pair = [runner(parallel=1), runner(parallel=1)]
         try:
             alone: list[float] = []
@@ -90,7 +95,7 @@ def contention() -> None:
                 t.start()
             for t in threads:
                 t.join()
-            print(f"OMP_WAIT_POLICY={policy or '(llama.cpp default)'}: alone {alone[0]:.0f} "
+            print(f"{setting or '(llama.cpp default)'}: alone {alone[0]:.0f} "
                   f"tokens/s; two at once {' + '.join(f'{r:.0f}' for r in both)} tokens/s")
         finally:
             for b in pair:

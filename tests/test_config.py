@@ -242,4 +242,4 @@ def test_parallel_is_refused_for_engines_that_decode_no_sequences() -> None:
 def test_default_catalog_concurrency() -> None:
     by_backend = {m.backend: m.concurrency for m in load_config(None).models}
     assert by_backend["llama-server"] == 4  # its parallel slots: four unless the entry asks
-    assert by_backend["sentence-transformers"] == 32
+    assert by_backend["llama-server-embed"] == 32  # batched requests, 4 slots in the runner

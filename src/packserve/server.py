@@ -72,6 +72,8 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
             try:
                 path = resolve_source(spec.source, base_dir=base, models_dir=models_dir,
                                       roots=roots, announce=announce)
+                if engine.convert is not None:
+                    path = engine.convert(path, models_dir, announce)
                 facts = facts_by_path.get(path) or read_facts_cached(
                     path, config.data_path / "model_facts.json")
                 facts_by_path[path] = facts

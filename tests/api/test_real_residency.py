@@ -56,15 +56,16 @@ def test_cycling_all_models_under_a_small_budget(models_dir: Path) -> None:
     assert not any(isinstance(e, LoadFailedEvent) for e in server.events)
 
 
-def _tight(models_dir: Path, smollm2_backend: str) -> Config:
-    """MiniLM and SmolLM2 in 230 MiB with no headroom: they do not fit together."""
-    config = default_config(models_dir, memory_budget="230MiB",
+def _tight(models_dir: Path, smollm2_backend: str, minilm_backend: str,
+           budget: str) -> Config:
+    """MiniLM and SmolLM2 in `budget` with no headroom: they do not fit together."""
+    config = default_config(models_dir, memory_budget=budget,
                             only_models=["all-minilm-l6-v2", "smollm2-135m-instruct"])
     return config.model_copy(update={
         "devices": {TEST_DEVICE: config.device_config(TEST_DEVICE).model_copy(
             update={"headroom": 0})},
-        "models": [m.model_copy(update={"backend": smollm2_backend}) if m.name.startswith(
-            "smollm2") else m for m in config.models]})
+        "models": [m.model_copy(update={"backend": smollm2_backend if m.name.startswith(
+            "smollm2") else minilm_backend}) for m in config.models]})
 
 
 def test_evicted_runners_go_cold_and_come_back_with_the_same_answers(models_dir: Path) -> None:
@@ -73,7 +74,9 @@ def test_evicted_runners_go_cold_and_come_back_with_the_same_answers(models_dir:
     chat = {"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "Name a colour."}]}
     embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
-    with serve(_tight(models_dir, "llama-server")) as server, server.client() as c:
+    # Runners: MiniLM ~61 MiB, SmolLM2 ~165 MiB.
+    with serve(_tight(models_dir, "llama-server", "llama-server-embed", "200MiB")) as server, \
+            server.client() as c:
         first = c.post("/v1/chat/completions", json=chat)
         assert first.status_code == 200, first.text
         assert c.post("/v1/embeddings", json=embed).status_code == 200
@@ -88,10 +91,10 @@ def test_evicted_runners_go_cold_and_come_back_with_the_same_answers(models_dir:
 
 
 def test_evicted_models_wait_warm_and_come_back_with_the_same_answers(models_dir: Path) -> None:
-    # MiniLM ~90 MiB and SmolLM2 ~165 MiB (in the worker: the warm state is the in-process
-    # engine's) do not fit in 230 MiB together, but one of them beside the other's warm copy
+    # MiniLM ~90 MiB and SmolLM2 ~165 MiB (in the worker: the warm states are the in-process
+    # engines') do not fit in 230 MiB together, but one of them beside the other's warm copy
     # (its engine objects, no weights) does.
-    config = _tight(models_dir, "llama-cpp")
+    config = _tight(models_dir, "llama-cpp", "sentence-transformers", "230MiB")
     embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
     chat = {"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "Name a colour."}]}

@@ -21,8 +21,11 @@ def _load(tmp_path: Path, name: str, parallel: int = 1) -> Backend:
     spec = next(m for m in load_config(None).models if m.name == name)
     path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
                           roots=None)
-    # llama.cpp's warm state is the in-process engine's (a runner that leaves is cold).
-    engine = backends.get("llama-cpp" if spec.backend == "llama-server" else spec.backend)
+    # The warm states are the in-process engines' (a runner that leaves is cold): llama.cpp's
+    # in the worker, and sentence-transformers' for MiniLM (its source is the safetensors).
+    engine = backends.get({"llama-server": "llama-cpp",
+                           "llama-server-embed": "sentence-transformers"}.get(spec.backend,
+                                                                              spec.backend))
     backend = engine.build(engine.load_spec(path, "cpu", 1024, 64, {}, parallel=parallel))
     backend.prepare()
     backend.load()

@@ -125,14 +125,21 @@ def test_a_first_start_says_in_readyz_what_it_is_assembling(tmp_path: Path) -> N
     assert "first start only" in str(pending[0])
 
 
-def test_an_idle_llama_only_server_imports_no_library_it_does_not_use(
-        models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Both processes write -X importtime's lines to the shared log (the worker inherits the
-    # variable): the union of what front and worker imported until the worker was ready.
+def _importtime_config(models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                       ) -> Path:
+    """The default catalog in `tmp_path`, for a server that logs what it imports."""
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
     config = tmp_path / "packserve.toml"
     config.write_text(default_catalog_text().replace(
         "[server]", f'[server]\ndata_dir = "{models_dir}"', 1), "utf-8")
+    return config
+
+
+def test_an_idle_llama_only_server_imports_no_library_it_does_not_use(
+        models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both processes write -X importtime's lines to the shared log (the worker inherits the
+    # variable): the union of what front and worker imported until the worker was ready.
+    config = _importtime_config(models_dir, tmp_path, monkeypatch)
     with serve_process(config, tmp_path, "--models", SMOL) as srv:
         names = [line.rsplit("|", 1)[1].strip() for line in srv.log().splitlines()
                  if line.startswith("import time:") and "[us]" not in line]
@@ -145,3 +152,30 @@ def test_an_idle_llama_only_server_imports_no_library_it_does_not_use(
     # The worker sets up logging without the CLI. (The front runs packserve.cli as __main__,
     # which prints no line.)
     assert "packserve.cli" not in names
+
+
+def test_the_default_catalog_serves_every_model_without_torch(
+        models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every model of the default catalog answers, the embedder and the reranker through
+    # llama.cpp from the GGUF packserve converts; then neither the front nor the worker has
+    # imported torch, transformers or sentence-transformers, nor mapped a library of theirs.
+    config = _importtime_config(models_dir, tmp_path, monkeypatch)
+    with serve_process(config, tmp_path) as srv, srv.client() as c:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for model in (SMOL, "smollm2-extract"):
+            assert c.post(CHAT, json={"model": model, **chat}).status_code == 200
+        assert c.post("/v1/completions", json={"model": "gemma-3-270m", "prompt": "Once",
+                                               "max_tokens": 4}).status_code == 200
+        r = c.post("/v1/embeddings", json={"model": MINILM, "input": ["a", "b c"]})
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 384
+        r = c.post("/v1/rerank", json={"model": "minilm-rerank", "query": "q",
+                                       "documents": ["d", "e"]})
+        assert r.status_code == 200 and len(r.json()["results"]) == 2
+        pids = [srv.proc.pid, srv.worker_pid()]
+        maps = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in pids}
+        names = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in srv.log().splitlines()
+                 if line.startswith("import time:") and "[us]" not in line}
+    heavy = {"torch", "transformers", "sentence_transformers"}
+    assert "packserve" in names and not names & heavy, names & heavy
+    for pid, text in maps.items():
+        assert "libtorch" not in text and "/torch/" not in text, pid

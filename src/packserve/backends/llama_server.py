@@ -20,6 +20,7 @@ llama-cpp-python sdist, with the same portable flags and patches, into the virtu
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import http.client
@@ -34,27 +35,37 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packserve.backends.llama import _context, _gguf, _size, _wire
 from packserve.core.backend import (
     Alternative,
     Backend,
+    Embeddings,
     FinishReason,
     Generated,
     GenerationParams,
+    LoadSpec,
     Message,
     OnText,
+    Ranking,
     TokenLogprob,
     Wire,
 )
 from packserve.core.compute import usable_cores
 from packserve.core.engine import Engine
+from packserve.core.footprint import shape_of
 from packserve.errors import ConfigError, EngineCrashed, InputTooLong, InvalidRequest
+from packserve.modelfiles import ModelFacts
+from packserve.planner.sizing import Breakdown, llama_encoder_breakdown
 from packserve.types import Task
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
 START_TIMEOUT_S = 120.0  # a runner that is not serving by then failed to load
@@ -62,6 +73,9 @@ RESTART_WINDOW_S = 30.0  # a runner that dies again this soon after a restart st
 # Slots one runner decodes together (continuous batching), sharing one KV cache of the entry's
 # `context_length` (llama-server's own default: four, unified).
 DEFAULT_PARALLEL = 4
+# A token is rarely longer than this many characters: an embedding input longer than its
+# model's limit times this is refused before it is sent to be tokenized.
+_MAX_CHARS_PER_TOKEN = 32
 
 # The runners are started from this one long-lived thread, made when the registry imports this
 # module (on the worker's main thread, at its priority): a child asks the kernel to kill it when
@@ -117,12 +131,12 @@ class _UnixHTTP(http.client.HTTPConnection):
         self._path = path
 
 
-class LlamaServerBackend(Backend):
-    """One load: one llama-server process serving the weights on a unix socket."""
+class _RunnerProcess(Backend):
+    """One load: one llama-server process serving the weights on a unix socket. What a runner
+    is to the scheduler and to a request's connection; the subclasses say what it serves."""
 
     _proc: subprocess.Popen[bytes] | None = None
     _dir: Path | None = None
-    _template: str = ""
 
     _unloaded: bool = False
     _restarted_at: float = -math.inf
@@ -138,12 +152,10 @@ class LlamaServerBackend(Backend):
             raise ConfigError(f"{self.name}: device {self.spec.device} asked, but this "
                               f"llama-server was built for the CPU only")
         self._start()
-        try:
-            props = self._get("/props")
-            self._template = str(props.get("chat_template") or "")
-        except BaseException:
-            self.unload()
-            raise
+
+    def _mode_args(self, slots: int) -> list[str]:
+        """What this kind of runner adds to the command line (its context, its mode)."""
+        raise NotImplementedError
 
     def _start(self) -> None:
         """Start the runner and return once it serves; raises (with its log's tail) if it
@@ -152,17 +164,12 @@ class LlamaServerBackend(Backend):
         self._dir = Path(tempfile.mkdtemp(prefix="packserve-runner-"))
         threads = self.spec.threads or usable_cores()
         slots = max(1, self.spec.parallel)
-        per_slot = self.spec.cache_per_slot
         args = [str(exe), "--model", str(self.spec.path), "--host", str(self._socket),
-                "--ctx-size", str(self.spec.context_length * (slots if per_slot else 1)),
                 "--parallel", str(slots), "--threads", str(threads),
-                "--threads-batch", str(threads), "--alias", self.name, "--jinja",
+                "--threads-batch", str(threads), "--alias", self.name,
                 "--no-webui", "--no-slots", "--offline",
                 # warnings and errors only: a line per request would grow the log without end
-                "--log-verbosity", "2"]
-        # A cache per slot with flash attention: each sequence's answer is the one it gets
-        # alone (docs/engines.md measured it); one shared cache is the leaner default.
-        args += ["--flash-attn", "on"] if per_slot else ["--kv-unified"]
+                "--log-verbosity", "2", *self._mode_args(slots)]
         log = open(self._dir / "runner.log", "wb")  # noqa: SIM115 (the child writes it)
         try:
             self._proc = _SPAWNER.submit(
@@ -249,7 +256,118 @@ class LlamaServerBackend(Backend):
             return ""
         return " | ".join(line for line in text.splitlines()[-lines:] if line.strip())
 
-    # -- requests (a lease's) ------------------------------------------------------------------
+    # -- requests (a lease's) ---------------------------------------------------------------
+
+    def _post(self, conn: _UnixHTTP, path: str, body: dict[str, Any], param: str
+              ) -> http.client.HTTPResponse:
+        """POST `body` as JSON; the response once it is a 200 (its body unread). A runner
+        that was dying when `conn` was made (killed, not reaped yet) is started again and the
+        request sent once more: nothing ran for it."""
+        try:
+            response = self._send(conn, path, body)
+        except (OSError, http.client.HTTPException) as exc:
+            proc = self._proc
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if proc is not None:
+                    proc.wait(timeout=1)  # a dying runner is gone within this
+            if not self.dead():
+                raise self._gone(exc) from exc
+            conn.close()
+            self._revive()
+            conn.retarget(str(self._socket))
+            try:
+                response = self._send(conn, path, body)
+            except (OSError, http.client.HTTPException) as again:
+                raise self._gone(again) from again
+        if response.status != 200:
+            data = _json(response.read())
+            raise _error(data.get("error", {}), param, self.name)
+        return response
+
+    @staticmethod
+    def _send(conn: _UnixHTTP, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        return conn.getresponse()
+
+    def _connect(self) -> _UnixHTTP:
+        if self.dead():
+            self._revive()
+        return _UnixHTTP(str(self._socket), timeout=None)
+
+    def _revive(self) -> None:
+        """A request found the runner dead (it crashed after its load): start it again in
+        place, once per RESTART_WINDOW_S; the bytes were the model's all along. Requests that
+        were running in it have had their 503. A second death within the window stays dead:
+        503s until the model is evicted or an operator reloads it."""
+        with self._restart_lock:
+            if not self.dead():
+                return  # another request restarted it
+            if self._unloaded:
+                raise self._gone(None)
+            now = time.monotonic()
+            if now - self._restarted_at < RESTART_WINDOW_S:
+                raise self._gone(None)
+            gone = self._gone(None)
+            self._restarted_at = now
+            self._stop()
+            try:
+                self._start()
+            except Exception as exc:
+                raise gone from exc
+
+    def _gone(self, exc: BaseException | None) -> RunnerGone:
+        alive = self._proc is not None and self._proc.poll() is None
+        why = f": {exc}" if exc is not None and alive else f" ({self._exit()})"
+        return RunnerGone(f"the llama-server runner of {self.name} is gone{why}",
+                          retry_after_s=1)
+
+    def dead(self) -> bool:
+        """The runner exited (or was killed) after it loaded."""
+        return self._proc is None or self._proc.poll() is not None
+
+    def _get(self, path: str) -> dict[str, Any]:
+        conn = self._connect()
+        try:
+            conn.request("GET", path)
+            return _json(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        conn = self._connect()
+        try:
+            response = self._post(conn, path, body, "input")
+            try:
+                return _json(response.read())
+            except (OSError, http.client.HTTPException) as exc:
+                raise self._gone(exc) from exc
+        finally:
+            conn.close()
+
+
+
+class LlamaServerBackend(_RunnerProcess):
+    """A generation runner: chats and completions, `parallel` slots decoded together."""
+
+    _template: str = ""
+
+    def load(self) -> None:
+        super().load()
+        try:
+            props = self._get("/props")
+            self._template = str(props.get("chat_template") or "")
+        except BaseException:
+            self.unload()
+            raise
+
+    def _mode_args(self, slots: int) -> list[str]:
+        per_slot = self.spec.cache_per_slot
+        args = ["--ctx-size", str(self.spec.context_length * (slots if per_slot else 1)),
+                "--jinja"]
+        # A cache per slot with flash attention: each sequence's answer is the one it gets
+        # alone (docs/engines.md measured it); one shared cache is the leaner default.
+        return args + (["--flash-attn", "on"] if per_slot else ["--kv-unified"])
 
     def renders_tools(self) -> bool:
         from packserve.backends.llama import template_renders_tools
@@ -349,92 +467,86 @@ class LlamaServerBackend(Backend):
         finally:
             conn.close()
 
-    def _post(self, conn: _UnixHTTP, path: str, body: dict[str, Any], param: str
-              ) -> http.client.HTTPResponse:
-        """POST `body` as JSON; the response once it is a 200 (its body unread). A runner
-        that was dying when `conn` was made (killed, not reaped yet) is started again and the
-        request sent once more: nothing ran for it."""
-        try:
-            response = self._send(conn, path, body)
-        except (OSError, http.client.HTTPException) as exc:
-            proc = self._proc
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                if proc is not None:
-                    proc.wait(timeout=1)  # a dying runner is gone within this
-            if not self.dead():
-                raise self._gone(exc) from exc
-            conn.close()
-            self._revive()
-            conn.retarget(str(self._socket))
-            try:
-                response = self._send(conn, path, body)
-            except (OSError, http.client.HTTPException) as again:
-                raise self._gone(again) from again
-        if response.status != 200:
-            data = _json(response.read())
-            raise _error(data.get("error", {}), param, self.name)
-        return response
 
-    @staticmethod
-    def _send(conn: _UnixHTTP, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
-        conn.request("POST", path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})
-        return conn.getresponse()
 
-    def _connect(self) -> _UnixHTTP:
-        if self.dead():
-            self._revive()
-        return _UnixHTTP(str(self._socket), timeout=None)
+class LlamaEmbedBackend(_RunnerProcess):
+    """An embedding runner (llama-server --embeddings): a GGUF encoder's pooled, normalised
+    sentence vectors, and reranking by their cosine similarity (a bi-encoder, not a
+    cross-encoder). Each input is tokenized by the runner first, so that an input over the
+    model's context is refused by its index and every input's tokens are counted; the vectors
+    are then computed from those token ids, `parallel` inputs in one batch."""
 
-    def _revive(self) -> None:
-        """A request found the runner dead (it crashed after its load): start it again in
-        place, once per RESTART_WINDOW_S; the bytes were the model's all along. Requests that
-        were running in it have had their 503. A second death within the window stays dead:
-        503s until the model is evicted or an operator reloads it."""
-        with self._restart_lock:
-            if not self.dead():
-                return  # another request restarted it
-            if self._unloaded:
-                raise self._gone(None)
-            now = time.monotonic()
-            if now - self._restarted_at < RESTART_WINDOW_S:
-                raise self._gone(None)
-            gone = self._gone(None)
-            self._restarted_at = now
-            self._stop()
-            try:
-                self._start()
-            except Exception as exc:
-                raise gone from exc
+    def _mode_args(self, slots: int) -> list[str]:
+        # A slot's context is the model's (capped by llama.cpp at the GGUF's context length,
+        # which packserve's converter sets to the longest input the model was made for).
+        return ["--embeddings", "--ctx-size", str(self.spec.context_length * slots)]
 
-    def _gone(self, exc: BaseException | None) -> RunnerGone:
-        alive = self._proc is not None and self._proc.poll() is None
-        why = f": {exc}" if exc is not None and alive else f" ({self._exit()})"
-        return RunnerGone(f"the llama-server runner of {self.name} is gone{why}",
-                          retry_after_s=1)
+    def embed_passes(self) -> int:
+        return max(1, self.spec.parallel)
 
-    def dead(self) -> bool:
-        """The runner exited (or was killed) after it loaded."""
-        return self._proc is None or self._proc.poll() is not None
-
-    def _get(self, path: str) -> dict[str, Any]:
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
         conn = self._connect()
         try:
-            conn.request("GET", path)
-            return _json(conn.getresponse().read())
+            return [len(self._tokens(conn, t, special=False)) for t in texts]
         finally:
             conn.close()
 
-    def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def embed(self, texts: Sequence[str]) -> Embeddings:
+        vectors, tokens = self._vectors(texts, "input")
+        return Embeddings(vectors=vectors, tokens=tokens)
+
+    def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
+        vectors, tokens = self._vectors([query, *documents], "documents", first="query")
+        return Ranking(scores=[float(s) for s in vectors[1:] @ vectors[0]],
+                       tokens=sum(tokens))
+
+    def _vectors(self, texts: Sequence[str], what: str, first: str = ""
+                 ) -> tuple[npt.NDArray[np.float32], list[int]]:
+        import numpy as np
+
+        limit = self.spec.context_length
+
+        def named(i: int) -> str:
+            return first if first and i == 0 else f"{what}[{i - bool(first)}]"
+
+        for i, text in enumerate(texts):
+            if len(text) > limit * _MAX_CHARS_PER_TOKEN:
+                raise InputTooLong(f"{named(i)} has {len(text)} characters; {self.name} reads "
+                                   f"at most {limit} tokens", param="input")
         conn = self._connect()
         try:
-            response = self._post(conn, path, body, "input")
+            ids = [self._tokens(conn, t, special=True) for t in texts]
+            for i, row in enumerate(ids):
+                if len(row) > limit:
+                    raise InputTooLong(f"{named(i)} is {len(row)} tokens; {self.name} reads at "
+                                       f"most {limit} tokens (shorten or split it)",
+                                       param="input")
+            response = self._post(conn, "/v1/embeddings",
+                                  {"input": ids, "encoding_format": "base64"}, "input")
             try:
-                return _json(response.read())
+                data = _json(response.read()).get("data") or []
             except (OSError, http.client.HTTPException) as exc:
                 raise self._gone(exc) from exc
         finally:
             conn.close()
+        if len(data) != len(texts):
+            raise RuntimeError(f"llama-server for {self.name} answered {len(data)} vectors "
+                               f"for {len(texts)} inputs")
+        rows = sorted(data, key=lambda d: int(d.get("index", 0)))
+        vectors = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32)
+                            for d in rows])
+        return vectors, [len(row) for row in ids]
+
+    def _tokens(self, conn: _UnixHTTP, text: str, *, special: bool) -> list[int]:
+        """`text`'s token ids as the runner reads it (with [CLS] and [SEP] when `special`),
+        on `conn` (kept open between the calls of one request)."""
+        # Special tokens written in the text ("[SEP]") are read as such, as BertTokenizer does.
+        response = self._post(conn, "/tokenize", {"content": text, "add_special": special,
+                                                  "parse_special": True}, "input")
+        try:
+            return list(_json(response.read()).get("tokens") or [])
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._gone(exc) from exc
 
 
 def _sampling(params: GenerationParams) -> dict[str, Any]:
@@ -453,7 +565,7 @@ def _sampling(params: GenerationParams) -> dict[str, Any]:
     return body
 
 
-def _events(response: http.client.HTTPResponse, backend: LlamaServerBackend
+def _events(response: http.client.HTTPResponse, backend: _RunnerProcess
             ) -> Iterator[dict[str, Any]]:
     while True:
         try:
@@ -508,7 +620,36 @@ def _logprobs(shape: object) -> list[TokenLogprob]:
     return out
 
 
+def _embed_context(requested: int | None, facts: ModelFacts | None) -> int:
+    """The longest input: the entry's `context_length`, else the model's own."""
+    return requested or (facts.context_length if facts is not None else 0) or 512
+
+
+def _embed_size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int
+                ) -> Breakdown:
+    assert facts is not None  # reads_files
+    return llama_encoder_breakdown(shape_of(facts, name))
+
+
+def _embed_source(path: Path) -> str | None:
+    return None if path.suffix == ".gguf" else f"a .gguf file (or a BERT safetensors folder " \
+        f"it converts), got {path}"
+
+
+def _to_gguf(path: Path, models_dir: Path, announce: Callable[[str], None] | None) -> Path:
+    """A sentence-transformers BERT folder, converted once into `models_dir`; a file as is."""
+    from packserve.convert import gguf_for
+
+    return gguf_for(path, models_dir, announce) if path.is_dir() else path
+
+
 ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
                 default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=_size,
                 check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL)
-ENGINES = (ENGINE,)
+# Embeddings and bi-encoder rerank from a GGUF encoder (the default catalog's MiniLM, converted
+# from its safetensors folder): requests are batched (api/batching.py) into the runner's slots.
+EMBED_ENGINE = Engine(name="llama-server-embed", tasks=frozenset({Task.EMBED, Task.RERANK}),
+                      default_concurrency=32, build=LlamaEmbedBackend, size=_embed_size,
+                      check_source=_embed_source, context=_embed_context, convert=_to_gguf,
+                      default_parallel=DEFAULT_PARALLEL)
+ENGINES = (ENGINE, EMBED_ENGINE)

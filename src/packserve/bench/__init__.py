@@ -35,9 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peers: the engine of packserve's llama.cpp models (default the "
                         "catalog's, llama-server runners; llama-cpp: in the worker, every core, "
                         "four slots)")
-    parser.add_argument("--llama-src", help="peers: llama.cpp's source folder or its "
-                        "convert_hf_to_gguf.py, for the router's MiniLM GGUF (default: the one "
-                        "scripts/setup.sh keeps in .venv/share/packserve/llama.cpp)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead, reliability: ABAB rounds")
     parser.add_argument("--duration", type=float,
                         help="trace: seconds of arrivals per policy (default 120); soak: seconds "
@@ -81,7 +78,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",
-                                                 "validate", "profile", "llama_src",
+                                                 "validate", "profile",
                                                  "llama_engine")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),

@@ -38,9 +38,8 @@ from packserve.bench.common import (
     Options,
     Report,
     Server,
+    loaded_files,
     median,
-    model_files,
-    model_path,
     packserve_argv,
     progress,
     request_body,
@@ -84,10 +83,14 @@ def _load_seconds(c: httpx.Client, name: str) -> float:
     return float(_row(c, name)["load_seconds"] or 0.0)
 
 
-def _from_warm(c: httpx.Client, name: str, files: list[Path], seed: int) -> dict[str, float]:
-    """Offload `name`, drop its files from the page cache, and time the first answer."""
+def _from_warm(c: httpx.Client, name: str, files: list[Path], seed: int
+               ) -> dict[str, float] | None:
+    """Offload `name`, drop its files from the page cache, and time the first answer; None
+    when its engine keeps no warm state (a llama-server runner: the offload left it cold)."""
     offload = c.post(f"/v1/residency/{name}/offload")
     offload.raise_for_status()
+    if offload.json()["state"] == "cold":
+        return None
     if offload.json()["state"] != "warm":
         raise RuntimeError(f"{name} did not go warm: {offload.text}")
     held = _row(c, name)["bytes_warm"]
@@ -118,7 +121,7 @@ def run(opts: Options) -> Report:
             packserve_argv("--config", str(config), "--models", ",".join(models)),
             log=opts.out / "work" / "coldstart-server.log") as server, server.client() as c:
         for name in models:
-            files = model_files(model_path(name, opts))
+            files = loaded_files(name, opts)
             size = sum(f.stat().st_size for f in files)
             runs, warm_runs = [], []
             for i in range(repeats):
@@ -129,10 +132,13 @@ def run(opts: Options) -> Report:
                 hot = median([_timed(c, name, seed=i + 10 + k) for k in range(3)])
                 runs.append({"read_floor_s": floor, "load_s": load, "first_answer_s": total,
                              "first_inference_s": total - load, "hot_request_s": hot})
-                warm_runs.append(_from_warm(c, name, files, seed=i + 20))
+                warmed = _from_warm(c, name, files, seed=i + 20)
+                if warmed is not None:
+                    warm_runs.append(warmed)
                 advance(1, f"{name} #{i + 1}")
             med = {k: median([float(r[k]) for r in runs]) for k in runs[0]}
-            warm = {k: median([r[k] for r in warm_runs]) for k in warm_runs[0]}
+            warm = {k: median([r[k] for r in warm_runs]) for k in warm_runs[0]} \
+                if warm_runs else None
             floor = med["read_floor_s"]
             hot_bytes = _row(c, name)["bytes_measured"]
             per_model[name] = {"file_bytes": size, "read_mib_per_s": size / floor / (1 << 20),
@@ -143,14 +149,18 @@ def run(opts: Options) -> Report:
             rows.append([name, round(size / (1 << 20), 1), round(size / floor / (1 << 20)),
                          floor, max(0.0, med["load_s"] - floor), med["first_inference_s"],
                          med["first_answer_s"], med["first_answer_s"] / floor])
+            report.goals.append(Goal(f"coldstart: {name}, cold load / read floor",
+                                     med["load_s"] / floor, 3.0, "<=",
+                                     "median of the repeats; the first imports the engine"))
+            if warm is None:  # a runner: an offload ends its process
+                warm_rows.append([name, round(hot_bytes / (1 << 20), 1), "no warm state",
+                                  floor, None, None, None, None, None])
+                continue
             warm_rows.append([name, round(hot_bytes / (1 << 20), 1),
                               round(warm["warm_bytes"] / (1 << 20), 1), floor,
                               warm["restore_s"], warm["restore_s"] / floor,
                               warm["first_inference_s"], warm["first_answer_s"],
                               warm["first_answer_s"] / floor])
-            report.goals.append(Goal(f"coldstart: {name}, cold load / read floor",
-                                     med["load_s"] / floor, 3.0, "<=",
-                                     "median of the repeats; the first imports the engine"))
             report.goals.append(Goal(f"coldstart: {name}, warm restore / read floor",
                                      warm["restore_s"] / floor, 1.5, "<="))
         # Switching between two resident models: latency of A after B against A after A.

@@ -321,3 +321,17 @@ def model_path(name: str, opts: Options) -> Path:
 
 def model_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def loaded_files(name: str, opts: Options) -> list[Path]:
+    """The files packserve reads to load the default-catalog model `name`: its source, or
+    the GGUF file its engine converts the source into (MiniLM's), under the data dir."""
+    path = model_path(name, opts)
+    if path.is_dir():
+        from packserve.config import load_config
+        from packserve.convert import convertible, gguf_for
+
+        backend = next(m.backend for m in load_config(None).models if m.name == name)
+        if backend.startswith("llama") and convertible(path) is None:
+            path = gguf_for(path, opts.data_dir / "models")
+    return model_files(path)

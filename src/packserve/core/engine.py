@@ -53,6 +53,9 @@ class Engine:
       it has no headers to check, nothing to hash, and the planner does not size it.
     - `library` is the module `prepare()` imports, after setting `environment` (variables the
       library reads at import, set only where the operator has not set them).
+    - `convert`, when set, turns a resolved source into what the engine reads, once (a
+      sentence-transformers folder into a GGUF file under the models directory, `DATA_DIR/
+      models`), telling `announce` first when it has work to do; it returns the path to load.
     - `default_parallel`: sequences one load decodes together in one batch when the entry does
       not say (`parallel`); 0 for an engine that does not (the entry may not set `parallel`).
       An entry's default concurrency is at least its `parallel`, so the slots can fill.
@@ -70,6 +73,7 @@ class Engine:
     library: str = ""
     environment: Mapping[str, str] = field(default_factory=dict)
     default_parallel: int = 0
+    convert: Callable[[Path, Path, Callable[[str], None] | None], Path] | None = None
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS

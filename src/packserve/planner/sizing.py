@@ -51,6 +51,10 @@ LLAMA_BYTES_PER_VOCAB = 122
 KV_BYTES_PER_ELEMENT = 2  # f16 KV cache, llama.cpp's and vLLM's default
 # sentence-transformers: tokenizer and module objects beside the tensors.
 ENCODER_OVERHEAD = 2 * MIB
+# An embedding runner (llama-server --embeddings, CPU): the process's own code and heap and its
+# compute buffer for a 512-token batch, beside the vocabulary tables; fitted to MiniLM's runner
+# (60.8 MiB of PSS for 45.1 MiB of F16 tensors, tests/test_footprint_real.py, 2026-12-03).
+LLAMA_EMBED_OVERHEAD = 12 * MIB
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,18 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
                      f"{format_bytes(shape.weight_bytes, compact=True)} of tensors "
                      f"from the GGUF header, f16 KV cache for {how}, 20 MiB + 122 B per "
                      f"vocabulary entry of runtime",))
+
+
+def llama_encoder_breakdown(shape: ModelShape) -> Breakdown:
+    """An embedding model in a llama-server runner: tensors as stored in the GGUF (no KV
+    cache: an encoder attends within its batch) plus the runner's process, compute buffer
+    and vocabulary tables."""
+    return Breakdown(
+        name=shape.name, weights=shape.weight_bytes,
+        overhead=LLAMA_EMBED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * shape.arch.vocab_size,
+        assumptions=(f"{shape.name}: llama.cpp embedding runner, "
+                     f"{format_bytes(shape.weight_bytes, compact=True)} of tensors from the "
+                     f"GGUF header, 12 MiB + 122 B per vocabulary entry of runtime",))
 
 
 def encoder_breakdown(shape: ModelShape) -> Breakdown:
