@@ -8,12 +8,15 @@
 tokens), then three times four at once; how many answers are identical, with the shared cache
 and with a cache per slot. `contention`: two runners of SmolLM2 (every core each), three chats
 of 128 tokens each, alone and both at once, in each environment given (a variable set for the
-runners: `OMP_WAIT_POLICY=passive`, `GOMP_SPINCOUNT=10000`; an empty argument, nothing set;
-default: nothing set, then OMP_WAIT_POLICY=passive). Prints what it measured; asserts nothing.
+runners: `OMP_WAIT_POLICY=passive`, `GOMP_SPINCOUNT=10000`; `threads=1`, the runners' thread
+count, every core by default; `turns`, each chat held as the server holds a request, so that the
+runners take turns (backends.llama_server.Turns); an empty argument, nothing set; default:
+nothing set, OMP_WAIT_POLICY=passive, then turns). Prints what it measured; asserts nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -33,13 +36,13 @@ PROMPTS = ["Count from 2 to 7.", "Name three colours.", "What is the capital of 
            "Say hello in Spanish.", "What is 12 times 3?"]
 
 
-def runner(per_slot: bool = False, parallel: int = 4) -> LlamaServerBackend:
+def runner(per_slot: bool = False, parallel: int = 4, threads: int = 0) -> LlamaServerBackend:
     spec = next(m for m in load_config(None).models if m.name == "smollm2-135m-instruct")
     folder = Path(tempfile.mkdtemp())
     path = resolve_source(spec.source, base_dir=folder, models_dir=folder, roots=None)
     engine = backends.get("llama-server")
-    backend = engine.build(engine.load_spec(path, "cpu", 2048, 64, {}, parallel=parallel,
-                                            cache_per_slot=per_slot))
+    backend = engine.build(engine.load_spec(path, "cpu", 2048, 64, {}, threads=threads,
+                                            parallel=parallel, cache_per_slot=per_slot))
     assert isinstance(backend, LlamaServerBackend)
     backend.load()
     return backend
@@ -72,25 +75,32 @@ def contention() -> None:
     chat = [Message(role="user", content="Write a long story about a dragon.")]
     params = GenerationParams(max_tokens=128, temperature=0.0)
 
-    def rate(backend: LlamaServerBackend, out: list[float]) -> None:
+    def rate(backend: LlamaServerBackend, out: list[float], turns: bool) -> None:
         t0, tokens = time.perf_counter(), 0
         for _ in range(3):
-            tokens += backend.chat(chat, params).completion_tokens
+            # each chat as the server would hold it: due in 4 s (chat's SLO) when turns are on
+            with backend.working(time.monotonic() + 4.0, 4.0) if turns \
+                    else contextlib.nullcontext():
+                tokens += backend.chat(chat, params).completion_tokens
         out.append(tokens / (time.perf_counter() - t0))
 
-    settings = sys.argv[2:] or ["", "OMP_WAIT_POLICY=passive"]
+    settings = sys.argv[2:] or ["", "OMP_WAIT_POLICY=passive", "turns"]
     for setting in settings:
-        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "PACKSERVE_RUNNER_SPIN"):
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
             os.environ.pop(name, None)
-        if setting:
-            name, _, value = setting.partition("=")
+        cores = 0
+        name, _, value = setting.partition("=")
+        turns = setting == "turns"
+        if name == "threads" or turns:
+            cores = int(value or 0)
+        elif setting:
             os.environ[name] = value
-        pair = [runner(parallel=1), runner(parallel=1)]
+        pair = [runner(parallel=1, threads=cores), runner(parallel=1, threads=cores)]
         try:
             alone: list[float] = []
-            rate(pair[0], alone)
+            rate(pair[0], alone, turns)
             both: list[float] = []
-            threads = [threading.Thread(target=rate, args=(b, both)) for b in pair]
+            threads = [threading.Thread(target=rate, args=(b, both, turns)) for b in pair]
             for t in threads:
                 t.start()
             for t in threads:

@@ -100,6 +100,10 @@ class ServerConfig(_Strict):
     # default: on 2 cores with one-thread decodes the OS's sharing did as well (docs/scheduling.md).
     slo: SloConfig = SloConfig()
     compute_priority: bool = False
+    # llama-server runners on the CPU compute one at a time when several are busy, the
+    # earliest deadline first (the others are paused): llama.cpp's threads spin at barriers,
+    # and two busy runners on the same cores slowed each other ~9x (docs/engines.md).
+    runner_turns: bool = True
     # Loads run at this nice value (0-19; 0: as inference), so resident models keep serving
     # while weights are read.
     load_nice: int = Field(default=10, ge=0, le=19)

@@ -138,6 +138,7 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     from packserve import uvicorn_server
     from packserve.api.app import create_app
     from packserve.api.asgi import error_body
+    from packserve.backends import llama_server
     from packserve.config import Config
     from packserve.core.events import log_event
     from packserve.errors import ConfigError
@@ -156,6 +157,7 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
         if name in scheduler.model_names():
             scheduler.quarantine(name, reason)
     telemetry = build_telemetry(config, scheduler)
+    llama_server.TURNS.enabled = config.server.runner_turns
     app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
                      background_start=True, keys=build_keyring(config),
                      operator_views=config.server.operator_views,

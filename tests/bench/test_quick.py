@@ -31,9 +31,12 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
     assert data["scenario"] == scenario
     assert data["quick"] is True
     assert data["machine"]["cores"] >= 1
-    if scenario == "peers":  # setup builds the router and keeps the converter: every row runs
+    if scenario == "peers":  # setup builds the router; packserve converts MiniLM: every row runs
         ratios = data["results"]["router"]["ratios"]
         assert ratios and all(isinstance(v, float) and v > 0 for v in ratios.values()), ratios
+        assert {"switch_p50_ms", "switch_p90_ms"} <= set(ratios)
+        switching = data["results"]["router"]["switching"]
+        assert switching["requests"] >= 3 and switching["packserve_evictions"] >= 1
     assert data["goals"], "every scenario reports ratios against goals"
     for goal in data["goals"]:
         assert goal["op"] in (">=", "<=")

@@ -76,8 +76,9 @@ class Services:
                 ticket = gate.ticket(model, slo_s, arrived)
                 token = TICKET.set(ticket)  # travels into the engine's worker thread
                 try:
-                    await _check_input_tokens(lease, spec, inputs)
-                    yield Call(lease, self.batchers)
+                    with lease.runner.working(arrived + slo_s, slo_s):
+                        await _check_input_tokens(lease, spec, inputs)
+                        yield Call(lease, self.batchers)
                 finally:
                     used = lease.prompt_tokens + lease.completion_tokens
                     self.telemetry.count_compute_wait(model, task, ticket.waited_s)

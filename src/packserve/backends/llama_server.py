@@ -89,6 +89,103 @@ _SPAWNER.submit(int).result()  # the thread exists from now on
 _PR_SET_PDEATHSIG = 1
 
 
+class Turns:
+    """The CPU's runners compute one at a time when several are busy: the one serving the
+    earliest deadline runs, the others are stopped (SIGSTOP) until it is idle or a request with
+    an earlier deadline comes (SIGCONT).
+
+    Why: llama.cpp's threads (OpenMP) spin at each of the hundreds of barriers of a token's
+    graph, so two runners with every core each, busy at once, spend their time spinning for
+    threads the other runner's hold: two SmolLM2 runners on 2 cores made 17 + 17 tokens/s
+    where one alone made 149 (`scripts/runner_checks.py contention`, docs/engines.md). In
+    turns, the cores serve one runner at its full speed; an embedding's runner (0.5 s SLO)
+    takes them from a generation's (4 s) for the milliseconds it needs.
+
+    A request's deadline is its arrival plus its model's SLO (`[server.slo]`); one already
+    past it competes as if it came again (its deadline moves on by its SLO), so late requests
+    do not keep the cores from every other runner (the domino effect `core.compute` describes).
+    A runner is stopped only while it has a request to serve and another runner's is more
+    urgent; a runner that is loading, idle or being stopped is never held. On by default;
+    `[server] runner_turns = false` leaves the sharing to the OS.
+    """
+
+    RECHECK_S = 0.02  # how often the deadlines are compared again while runners wait
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self._cond = threading.Condition()
+        self._work: dict[int, list[tuple[float, float]]] = {}  # pid -> (deadline, SLO) each
+        self._stopped: set[int] = set()
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def working(self, pid: int, deadline: float, slo_s: float) -> Iterator[None]:
+        entry = (deadline, max(slo_s, 0.001))
+        with self._cond:
+            self._work.setdefault(pid, []).append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="packserve-runner-turns",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                entries = self._work.get(pid)
+                if entries is not None and entry in entries:
+                    entries.remove(entry)
+                    if not entries:
+                        del self._work[pid]
+                self._cond.notify()
+
+    def forget(self, pid: int) -> None:
+        """`pid` is being stopped or has died: never hold it again (it is let go now)."""
+        with self._cond:
+            self._work.pop(pid, None)
+            self._resume(pid)
+            self._cond.notify()
+
+    def stopped(self) -> frozenset[int]:
+        with self._cond:
+            return frozenset(self._stopped)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                busy = {pid: entries for pid, entries in self._work.items() if entries}
+                winner = min(busy, key=lambda pid: _urgency(busy[pid])) if len(busy) > 1 \
+                    else None
+                for pid in list(self._stopped):
+                    if winner is None or pid == winner or pid not in busy:
+                        self._resume(pid)
+                if winner is not None:
+                    for pid in busy:
+                        if pid != winner and pid not in self._stopped:
+                            self._signal(pid, signal.SIGSTOP)
+                            self._stopped.add(pid)
+                self._cond.wait(self.RECHECK_S if winner is not None else None)
+
+    def _resume(self, pid: int) -> None:
+        if pid in self._stopped:
+            self._stopped.discard(pid)
+            self._signal(pid, signal.SIGCONT)
+
+    @staticmethod
+    def _signal(pid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _urgency(entries: list[tuple[float, float]]) -> float:
+    """The earliest deadline of a runner's requests, a late one's moved on by its SLO."""
+    now = time.monotonic()
+    return min(d if d >= now else d + slo * math.ceil((now - d) / slo) for d, slo in entries)
+
+
+TURNS = Turns()
+
+
 class RunnerGone(EngineCrashed):
     """The runner process of a model died: its requests in flight get 503 `engine_crashed`."""
 
@@ -207,6 +304,8 @@ class _RunnerProcess(Backend):
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
+        if proc is not None:
+            TURNS.forget(proc.pid)  # a stopped process would not end on SIGTERM
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -231,6 +330,12 @@ class _RunnerProcess(Backend):
         except OSError:
             return 0
         return 0
+
+    def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
+        pid = self.pid
+        if not TURNS.enabled or pid is None or self.spec.device != "cpu":
+            return contextlib.nullcontext()
+        return TURNS.working(pid, deadline, slo_s)
 
     @property
     def pid(self) -> int | None:
@@ -364,7 +469,11 @@ class LlamaServerBackend(_RunnerProcess):
     def _mode_args(self, slots: int) -> list[str]:
         per_slot = self.spec.cache_per_slot
         args = ["--ctx-size", str(self.spec.context_length * (slots if per_slot else 1)),
-                "--jinja"]
+                "--jinja",
+                # No prompt cache in RAM beside the KV cache (llama-server keeps up to 8 GiB by
+                # default, filled as requests come): a runner's bytes stay what the scheduler
+                # measured after its load. Each slot still reuses its own cached prefix.
+                "--cache-ram", "0"]
         # A cache per slot with flash attention: each sequence's answer is the one it gets
         # alone (docs/engines.md measured it); one shared cache is the leaner default.
         return args + (["--flash-attn", "on"] if per_slot else ["--kv-unified"])

@@ -6,7 +6,7 @@ Infinity lives in its own virtual environment under `--peers-dir` (default .venv
 `infinity/` with `infinity-emb[all]==0.0.78` (its pins conflict with packserve's). The router is
 the `llama-server` that scripts/setup.sh builds into the virtual environment from the llama.cpp
 source packserve uses (`packserve.bench.router`), serving SmolLM2 and Gemma 3 270M from the GGUFs
-packserve serves and MiniLM from an f32 GGUF converted from the same safetensors.
+packserve serves and MiniLM from the GGUF packserve converts from its safetensors and serves.
 docs/benchmarks.md says how to install them. A peer, or a model of it, that cannot run is
 reported as "not installed" or "not available" with the reason, never silently skipped.
 
@@ -16,6 +16,9 @@ streamed chat (decode tokens/s after the first token; time to the first content 
 concurrent chats (completion tokens/s over wall time) and a hot mixed cycle (chat ->
 completion -> one embedding, sequential; p50 per request). Medians over rounds, the worst
 round beside them. PSS of both servers' processes, both up, after the warm-up and the rounds.
+Then the same cycle with every request switching model: packserve at a budget where one
+generation model fits at a time against a second router at `--models-max 1`, p50 and p90 of
+the client's time per request over every round.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from packserve.bench import router
@@ -134,6 +138,13 @@ def run(opts: Options) -> Report:
              vr["ttft_ms"], 1.0, "<=", note_router),
         Goal(f"peers: hot mixed cycle p50 per request, packserve / {ROUTER}",
              vr["mixed_p50_ms"], 1.0, "<=", note_mixed),
+        Goal(f"peers: PSS of every process after the rounds, packserve / {ROUTER}",
+             (versus.get("memory") or {}).get("ratio", {}).get("after_rounds"), 1.0, "<=",
+             note_mixed),
+        Goal(f"peers: every request switches model, p50, packserve / {ROUTER} --models-max 1",
+             vr.get("switch_p50_ms"), 0.5, "<=", note_mixed),
+        Goal(f"peers: every request switches model, p90, packserve / {ROUTER} --models-max 1",
+             vr.get("switch_p90_ms"), 1.0, "<=", note_mixed),
     ]
     report.results["tables"] = versus["tables"]
     report.notes.append("Infinity goals are this project's own bar (no goal in the issue): "
@@ -234,7 +245,70 @@ def _versus_router(opts: Options, ps: Server, rounds: int,
         for c in clients.values():
             c.close()
     _summarise(out, per_round, per_type, memory, have_embed)
+    if have_embed:
+        out["switching"] = _switching(opts, server, preset, rounds, sizes["mixed_cycles"])
+        out["ratios"]["switch_p50_ms"] = out["switching"]["ratio_p50"]
+        out["ratios"]["switch_p90_ms"] = out["switching"]["ratio_p90"]
+        out["tables"].append(out["switching"]["table"])
     return out
+
+
+# packserve's budget in the switching rows: Gemma (the largest, ~340 MiB) fits alone, no two
+# of the three generation-sized models fit together, so each request loads its model.
+SWITCH_BUDGET = "350MiB"
+
+
+def _switching(opts: Options, server: Path, preset: Path, rounds: int, cycles: int
+               ) -> dict[str, Any]:
+    """Every request switches model: chat -> completion -> embedding, `cycles` times a round,
+    packserve at SWITCH_BUDGET with no headroom (its default warm tier on) and a router at
+    `--models-max 1` (a new child per switch), rounds alternating. The client's time from
+    request to answer, p50 and p90 over every round; packserve's evictions are counted (at
+    this budget MiniLM fits beside SmolLM2, so a chat after an embedding may keep it)."""
+    work = opts.out / "work"
+    config = write_config(work / "peers-switch.toml", opts, memory_budget=SWITCH_BUDGET,
+                          headroom="0")
+    lat: dict[str, list[float]] = {side: [] for side in SIDES}
+    with run_server(packserve_argv("--config", str(config), "--models",
+                                   f"{EMBED_MODEL},{CHAT_MODEL},{COMPLETE_MODEL}"),
+                    log=work / "peers-switch-packserve.log") as ps, \
+            run_server(router.argv(server, preset, work / "llama-cache-switch", models_max=1),
+                       health="/health", log=work / "peers-switch-router.log") as rs:
+        clients = {"packserve": _client(ps.url), "router": _client(rs.url)}
+        for side in SIDES:  # first loads (and MiniLM's conversion) out of the figures
+            _on(side, _mixed_cycle, clients[side], sentences(3, words=16, seed=9), 8)
+        for r in range(rounds):
+            texts = sentences(3 * cycles, words=16, seed=4000 + r)
+            for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+                done = _on(side, _mixed_cycle, clients[side], texts, 8)
+                lat[side] += [v for vs in done.values() for v in vs]
+        with ps.client() as http:
+            text = http.get("/metrics").text
+        for c in clients.values():
+            c.close()
+    evictions = int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("packserve_model_events_total{")
+                        and 'event="evict' in line))
+    pct = {side: {q: _quantile(v, q) for q in (0.5, 0.9)} for side, v in lat.items()}
+    r50 = ratio(pct["packserve"][0.5], pct["router"][0.5])
+    r90 = ratio(pct["packserve"][0.9], pct["router"][0.9])
+    rows: list[list[object]] = [
+        ["every request switches model (chat, completion, embedding): p50 (ms)",
+         pct["packserve"][0.5], None, pct["router"][0.5], None, _x(r50)],
+        ["every request switches model: p90 (ms)", pct["packserve"][0.9], None,
+         pct["router"][0.9], None, _x(r90)]]
+    return {"budget": SWITCH_BUDGET, "router_models_max": 1, "requests": len(lat["packserve"]),
+            "packserve_evictions": evictions, "latency_ms": lat, "quantiles_ms": pct,
+            "ratio_p50": r50, "ratio_p90": r90,
+            "table": {"columns": ["row", "packserve", "", ROUTER + " (--models-max 1)", "",
+                                  "packserve / router"], "rows": rows}}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _summarise(out: dict[str, Any], per_round: dict[str, dict[str, list[float]]],

@@ -75,14 +75,14 @@ def write_preset(path: Path, models: Mapping[str, Mapping[str, str]]) -> Path:
     return path
 
 
-def argv(server: Path, preset: Path, cache: Path) -> list[str]:
+def argv(server: Path, preset: Path, cache: Path, models_max: int = MODELS_MAX) -> list[str]:
     """The router's command line, short of `--port` (run_server adds it). `env` sets
     LLAMA_CACHE to an empty folder, so the router lists the preset's models and no others
     (it also offers whatever GGUFs llama.cpp's download cache holds); env execs, so the PID
     run_server holds is the router's."""
     cache.mkdir(parents=True, exist_ok=True)
     return ["env", f"LLAMA_CACHE={cache}", str(server), "--models-preset", str(preset),
-            "--models-max", str(MODELS_MAX), "--host", "127.0.0.1"]
+            "--models-max", str(models_max), "--host", "127.0.0.1"]
 
 
 def pss(pid: int) -> dict[str, int]:

@@ -16,6 +16,7 @@ Who calls what, and when:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +249,12 @@ class Backend:
                  on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot complete text")
 
+    def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
+        """Held by a request for as long as it uses this load: its deadline (time.monotonic()
+        seconds) and its model's SLO, for an engine that shares compute between its loads by
+        deadline (llama-server runners). Called on the event loop: no I/O, no waiting."""
+        return contextlib.nullcontext()
+
 
 class Runner:
     """What a lease lends: one loaded backend's task methods, and nothing of its lifecycle.
@@ -292,6 +299,9 @@ class Runner:
 
     def renders_tools(self) -> bool:
         return self._backend.renders_tools()
+
+    def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
+        return self._backend.working(deadline, slo_s)
 
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:

@@ -1,0 +1,71 @@
+"""Runners take turns on the CPU: while several are busy, the one serving the earliest deadline
+runs and the others are stopped; an idle, forgotten or lone runner is never held. Checked on
+real processes (`sleep`), whose state the kernel reports."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from packserve.backends.llama_server import Turns, _urgency
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _until(pid: int, stopped: bool, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (_state(pid) == "T") != stopped:
+        assert time.monotonic() < deadline, f"{pid} is {_state(pid)}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[int]]:
+    ps = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    yield [p.pid for p in ps]
+    for p in ps:
+        p.kill()
+        p.wait()
+
+
+def test_the_earliest_deadline_runs_and_the_others_wait(procs: list[int]) -> None:
+    a, b, c = procs
+    turns = Turns()
+    now = time.monotonic()
+    with turns.working(a, now + 4.0, 4.0):
+        time.sleep(0.05)
+        assert turns.stopped() == frozenset()  # alone: never held
+        with turns.working(b, now + 0.5, 0.5):  # an embedding comes: it runs, a waits
+            _until(a, stopped=True)
+            assert _state(b) != "T" and turns.stopped() == {a}
+            with turns.working(c, now + 9.0, 4.0):
+                _until(c, stopped=True)
+        _until(a, stopped=False)  # b is done: a runs again
+        assert turns.stopped() == frozenset()
+    assert _state(c) != "T"
+
+
+def test_a_forgotten_runner_is_let_go_at_once(procs: list[int]) -> None:
+    a, b, _ = procs
+    turns = Turns()
+    now = time.monotonic()
+    with turns.working(a, now + 0.5, 0.5), turns.working(b, now + 4.0, 4.0):
+        _until(b, stopped=True)
+        turns.forget(b)  # being unloaded: SIGTERM must reach it
+        assert _state(b) != "T" and b not in turns.stopped()
+        time.sleep(0.1)
+        assert _state(b) != "T"  # and it is not held again
+
+
+def test_a_late_request_competes_as_if_it_came_again() -> None:
+    now = time.monotonic()
+    assert _urgency([(now + 1.0, 4.0)]) == pytest.approx(now + 1.0)
+    # 5 s late with a 4 s SLO: due again 3 s from now, after a fresh 0.5 s request
+    assert _urgency([(now - 5.0, 4.0)]) == pytest.approx(now + 3.0, abs=0.01)
+    assert _urgency([(now - 5.0, 4.0), (now + 2.0, 4.0)]) == pytest.approx(now + 2.0)
