@@ -6,7 +6,7 @@ continuous batching of the load's `parallel` slots, prompt-prefix reuse, grammar
 with every core, and no Python runs per token inside it. The worker reads the runner's
 server-sent events and hands each piece of text to the request, as it does for any engine.
 
-What a runner is to the scheduler: its bytes are the child's proportional set size (`weight_bytes`
+What a runner is to the scheduler: its bytes are the child's resident set size (`weight_bytes`
 reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it started, not the
 worker's growth); an unload stops the process; it has no warm state (`release_weights` is False:
 a runner that leaves is cold, and its next start reads the weights from the page cache). A runner
@@ -105,8 +105,9 @@ class Turns:
     past it competes as if it came again (its deadline moves on by its SLO), so late requests
     do not keep the cores from every other runner (the domino effect `core.compute` describes).
     A runner is stopped only while it has a request to serve and another runner's is more
-    urgent; a runner that is loading, idle or being stopped is never held. On by default;
-    `[server] runner_turns = false` leaves the sharing to the OS.
+    urgent; a runner that is starting (its health is polled with a timeout), idle or being
+    stopped is never held. On by default; `[server] runner_turns = false` leaves the sharing to
+    the OS.
     """
 
     RECHECK_S = 0.02  # how often the deadlines are compared again while runners wait
@@ -318,14 +319,16 @@ class _RunnerProcess(Backend):
             shutil.rmtree(folder, ignore_errors=True)
 
     def weight_bytes(self) -> int:
-        """The runner's proportional set size: its weights' pages, its KV cache and buffers,
-        and its share of anything it maps with another process."""
+        """The runner's resident set: its weights' pages, its KV cache and buffers, and its
+        code. Not its proportional share: a weights file another process maps too (another
+        server, a second runner of the same file) would halve it, and the model could not be
+        loaded again in the room that figure reserves once the other process is gone."""
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return 0
         try:
             for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
+                if line.startswith("Rss:"):
                     return int(line.split()[1]) * 1024
         except OSError:
             return 0
