@@ -1,6 +1,7 @@
-"""Two measurements of llama-server runners that docs/engines.md quotes.
+"""Measurements of llama-server runners that docs/engines.md quotes.
 
     .venv/bin/python scripts/runner_checks.py drift        # greedy answers: together vs alone
+    .venv/bin/python scripts/runner_checks.py start        # where a runner's start goes
     .venv/bin/python scripts/runner_checks.py contention [NAME=VALUE ...]
                                                   # two busy runners on the same cores
 
@@ -112,5 +113,52 @@ def contention() -> None:
                 b.unload()
 
 
+def start() -> None:
+    """Where a runner's start goes, per default-catalog GGUF: seconds from spawn to /health
+    200 (what a switch waits for), with llama-server's trial load that fits the context to
+    free memory (`--fit on`, its default) and without (packserve's), and seconds from SIGTERM
+    to exit; the median of three each."""
+    import statistics
+    import subprocess
+
+    from packserve.backends.llama_server import _UnixHTTP, binary
+
+    folder = Path(tempfile.mkdtemp())
+    for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
+        spec = next(m for m in load_config(None).models if m.name == name)
+        path = resolve_source(spec.source, base_dir=folder, models_dir=folder / "models",
+                              roots=None)
+        engine = backends.get(spec.backend)
+        if engine.convert is not None:
+            path = engine.convert(path, folder / "models", None)
+        mode = ["--embeddings", "--ctx-size", "1024"] if "embed" in spec.backend else \
+            ["--ctx-size", "2048", "--kv-unified", "--jinja", "--cache-ram", "0"]
+        for fit in ("on", "off"):
+            ready, exits = [], []
+            for _ in range(3):
+                sock = folder / "runner.sock"
+                sock.unlink(missing_ok=True)
+                t0 = time.perf_counter()
+                proc = subprocess.Popen(
+                    [str(binary()), "--model", str(path), "--host", str(sock), "--parallel",
+                     "4", "--no-webui", "--no-slots", "--offline", "--fit", fit,
+                     "--log-verbosity", "2", *mode], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL)
+                while True:
+                    with contextlib.suppress(OSError):
+                        conn = _UnixHTTP(str(sock), timeout=5)
+                        conn.request("GET", "/health")
+                        if conn.getresponse().status == 200:
+                            break
+                    time.sleep(0.005)
+                ready.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                proc.terminate()
+                proc.wait()
+                exits.append(time.perf_counter() - t1)
+            print(f"{name}: --fit {fit}: ready in {statistics.median(ready):.3f} s, exits in "
+                  f"{statistics.median(exits):.3f} s")
+
+
 if __name__ == "__main__":
-    {"drift": drift, "contention": contention}[sys.argv[1]]()
+    {"drift": drift, "contention": contention, "start": start}[sys.argv[1]]()

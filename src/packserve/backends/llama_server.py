@@ -266,6 +266,10 @@ class _RunnerProcess(Backend):
                 "--parallel", str(slots), "--threads", str(threads),
                 "--threads-batch", str(threads), "--alias", self.name,
                 "--no-webui", "--no-slots", "--offline",
+                # No trial load to fit the context to free device memory: the context is set,
+                # and the trial read Gemma's 262k-token vocabulary a second time (a start took
+                # 0.95 s with it, 0.59 s without, docs/engines.md).
+                "--fit", "off",
                 # warnings and errors only: a line per request would grow the log without end
                 "--log-verbosity", "2", *self._mode_args(slots)]
         log = open(self._dir / "runner.log", "wb")  # noqa: SIM115 (the child writes it)
@@ -306,14 +310,13 @@ class _RunnerProcess(Backend):
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
-            TURNS.forget(proc.pid)  # a stopped process would not end on SIGTERM
+            TURNS.forget(proc.pid)
         if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            # Killed, not asked: nothing of a runner outlives it (no request is in flight when
+            # it is unloaded), and its own shutdown took 0.11-0.16 s that a model switch waited
+            # for (`scripts/runner_checks.py start`); killed, it is gone in milliseconds.
+            proc.kill()
+            proc.wait()
         folder, self._dir = self._dir, None
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
