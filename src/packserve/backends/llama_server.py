@@ -73,8 +73,6 @@ RESTART_WINDOW_S = 30.0  # a runner that dies again this soon after a restart st
 # Slots one runner decodes together (continuous batching), sharing one KV cache of the entry's
 # `context_length` (llama-server's own default: four, unified).
 DEFAULT_PARALLEL = 4
-# A token id every vocabulary has, to fill the batch that touches the compute buffers at load.
-_FILLER = 100
 # A token is rarely longer than this many characters: an embedding input longer than its
 # model's limit times this is refused before it is sent to be tokenized.
 _MAX_CHARS_PER_TOKEN = 32
@@ -596,24 +594,13 @@ class LlamaEmbedBackend(_RunnerProcess):
     def _mode_args(self, slots: int) -> list[str]:
         # A slot's context is the model's (capped by llama.cpp at the GGUF's context length,
         # which packserve's converter sets to the longest input the model was made for).
-        # One physical batch holds one input of the longest length (an encoder needs a whole
-        # input in one batch), no more: its compute buffers grow with the square of the batch
-        # (MiniLM's runner: 131 MiB resident at llama-server's 512 tokens, 97 at 256).
-        batch = str(self.spec.context_length)
-        return ["--embeddings", "--ctx-size", str(self.spec.context_length * slots),
-                "--batch-size", batch, "--ubatch-size", batch]
-
-    def load(self) -> None:
-        super().load()
-        # One full batch now, an input of the longest length, so that the compute buffers are
-        # touched before the load is measured: the first long input would otherwise add them
-        # (34 MiB for MiniLM) to a runner the scheduler had measured without.
-        try:
-            self._post_json("/v1/embeddings",
-                            {"input": [[_FILLER] * max(1, self.spec.context_length)]})
-        except BaseException:
-            self.unload()
-            raise
+        # llama-server's own 512-token batch. Its compute buffers are touched by the requests,
+        # not at load: the load is measured without them (~63 MiB for MiniLM), and what long
+        # inputs add (up to 68 MiB more for MiniLM's 256-token ones) lives in the device's
+        # headroom, as any engine's activations do. Reserving them (a 256-token batch, touched
+        # at load: 97 MiB) made the bursty trace evict MiniLM eleven times where it had stayed,
+        # and reranks slower (docs/engines.md).
+        return ["--embeddings", "--ctx-size", str(self.spec.context_length * slots)]
 
     def embed_passes(self) -> int:
         return max(1, self.spec.parallel)

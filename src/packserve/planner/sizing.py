@@ -51,11 +51,11 @@ LLAMA_BYTES_PER_VOCAB = 122
 KV_BYTES_PER_ELEMENT = 2  # f16 KV cache, llama.cpp's and vLLM's default
 # sentence-transformers: tokenizer and module objects beside the tensors.
 ENCODER_OVERHEAD = 2 * MIB
-# An embedding runner (llama-server --embeddings, CPU): the process's own code and heap and its
-# compute buffers for one batch of its longest input (touched at load), beside the vocabulary
-# tables; fitted to MiniLM's runner (97 MiB resident for 43 MiB of F16 tensors at 256-token
-# batches, tests/test_footprint_real.py, 2026-12-03). Not scaled with the batch yet: one model.
-LLAMA_EMBED_OVERHEAD = 50 * MIB
+# An embedding runner (llama-server --embeddings, CPU): the process's own code and heap beside
+# the vocabulary tables, as measured after its load; fitted to MiniLM's runner (63 MiB resident
+# for 43 MiB of F16 tensors, tests/test_footprint_real.py, 2026-12-03). Its compute buffers
+# (up to 68 MiB more after long inputs) are activations: they live in the headroom.
+LLAMA_EMBED_OVERHEAD = 16 * MIB
 
 
 @dataclass(frozen=True)
@@ -276,8 +276,7 @@ def llama_encoder_breakdown(shape: ModelShape) -> Breakdown:
         overhead=LLAMA_EMBED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * shape.arch.vocab_size,
         assumptions=(f"{shape.name}: llama.cpp embedding runner, "
                      f"{format_bytes(shape.weight_bytes, compact=True)} of tensors from the "
-                     f"GGUF header, 50 MiB + 122 B per vocabulary entry of runtime and "
-                     f"compute buffers",))
+                     f"GGUF header, 16 MiB + 122 B per vocabulary entry of runtime",))
 
 
 def encoder_breakdown(shape: ModelShape) -> Breakdown:
