@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/runner_checks.py drift        # greedy answers: together vs alone
     .venv/bin/python scripts/runner_checks.py start        # where a runner's start goes
+    .venv/bin/python scripts/runner_checks.py embed        # MiniLM's runner: bytes, a rerank
     .venv/bin/python scripts/runner_checks.py contention [NAME=VALUE ...]
                                                   # two busy runners on the same cores
 
@@ -160,5 +161,37 @@ def start() -> None:
                   f"{statistics.median(exits):.3f} s")
 
 
+def embed() -> None:
+    """MiniLM's embedding runner: resident MiB after its load and after long inputs (its
+    compute buffers, touched by requests), and the median time of a rerank of 16 documents."""
+    import statistics
+
+    from packserve.bench.common import sentences
+
+    folder = Path(tempfile.mkdtemp())
+    spec = next(m for m in load_config(None).models if m.name == "all-minilm-l6-v2")
+    engine = backends.get(spec.backend)
+    assert engine.convert is not None
+    path = engine.convert(resolve_source(spec.source, base_dir=folder, models_dir=folder,
+                                         roots=None), folder, None)
+    backend = engine.build(engine.load_spec(path, "cpu", 256, 64, {}))
+    backend.load()
+    try:
+        loaded = backend.weight_bytes()
+        docs = sentences(16, words=40, seed=3)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            backend.rerank("what is it", docs)
+            times.append(time.perf_counter() - t0)
+        backend.embed(["word " * 250] * 8)
+        print(f"after load {loaded / 2**20:.0f} MiB; after long inputs "
+              f"{backend.weight_bytes() / 2**20:.0f} MiB; rerank of 16 documents "
+              f"{statistics.median(times) * 1000:.0f} ms")
+    finally:
+        backend.unload()
+
+
 if __name__ == "__main__":
-    {"drift": drift, "contention": contention, "start": start}[sys.argv[1]]()
+    {"drift": drift, "contention": contention, "start": start,
+     "embed": embed}[sys.argv[1]]()

@@ -102,7 +102,7 @@ class ServerConfig(_Strict):
     compute_priority: bool = False
     # llama-server runners on the CPU compute one at a time when several are busy, the
     # earliest deadline first (the others are paused): llama.cpp's threads spin at barriers,
-    # and two busy runners on the same cores slowed each other ~9x (docs/engines.md).
+    # and two busy runners on the same cores slowed each other ~4x (docs/engines.md).
     runner_turns: bool = True
     # Loads run at this nice value (0-19; 0: as inference), so resident models keep serving
     # while weights are read.

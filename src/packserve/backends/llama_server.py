@@ -96,8 +96,8 @@ class Turns:
 
     Why: llama.cpp's threads (OpenMP) spin at each of the hundreds of barriers of a token's
     graph, so two runners with every core each, busy at once, spend their time spinning for
-    threads the other runner's hold: two SmolLM2 runners on 2 cores made 17 + 17 tokens/s
-    where one alone made 149 (`scripts/runner_checks.py contention`, docs/engines.md). In
+    threads the other runner's hold: two SmolLM2 runners on 2 cores made 18 + 18 tokens/s
+    where one alone made 134 (`scripts/runner_checks.py contention`, docs/engines.md). In
     turns, the cores serve one runner at its full speed; an embedding's runner (0.5 s SLO)
     takes them from a generation's (4 s) for the milliseconds it needs.
 
@@ -596,10 +596,10 @@ class LlamaEmbedBackend(_RunnerProcess):
         # which packserve's converter sets to the longest input the model was made for).
         # llama-server's own 512-token batch. Its compute buffers are touched by the requests,
         # not at load: the load is measured without them (~63 MiB for MiniLM), and what long
-        # inputs add (up to 68 MiB more for MiniLM's 256-token ones) lives in the device's
-        # headroom, as any engine's activations do. Reserving them (a 256-token batch, touched
-        # at load: 97 MiB) made the bursty trace evict MiniLM eleven times where it had stayed,
-        # and reranks slower (docs/engines.md).
+        # inputs add (70 MiB more for MiniLM's 256-token ones: scripts/runner_checks.py embed)
+        # lives in the device's headroom, as any engine's activations do. Reserving them (a
+        # 256-token batch, touched at load: 97 MiB) made the bursty trace evict MiniLM eleven
+        # times a run where it had stayed (docs/engines.md).
         return ["--embeddings", "--ctx-size", str(self.spec.context_length * slots)]
 
     def embed_passes(self) -> int:

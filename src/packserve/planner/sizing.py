@@ -54,7 +54,8 @@ ENCODER_OVERHEAD = 2 * MIB
 # An embedding runner (llama-server --embeddings, CPU): the process's own code and heap beside
 # the vocabulary tables, as measured after its load; fitted to MiniLM's runner (63 MiB resident
 # for 43 MiB of F16 tensors, tests/test_footprint_real.py, 2026-12-03). Its compute buffers
-# (up to 68 MiB more after long inputs) are activations: they live in the headroom.
+# (70 MiB more after long inputs: scripts/runner_checks.py embed) are activations: they live
+# in the headroom.
 LLAMA_EMBED_OVERHEAD = 16 * MIB
 
 
