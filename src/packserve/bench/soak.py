@@ -174,12 +174,14 @@ def sample_memory(server: Server, c: httpx.Client, interval_s: float, t0: float,
 
 
 def client_loop(server: Server, key: str, client: Client, seed: int,
-                tallies: dict[str, Tally], stop: threading.Event) -> None:
+                tallies: dict[str, Tally], stop: threading.Event, cover: bool = False) -> None:
+    """Requests in turn until `stop`; with `cover`, also until each of the client's models was
+    called once (a short run whose first answers wait on loads still reaches every model)."""
     rng = random.Random(seed)
     with server.client(timeout=CLIENT_TIMEOUT_S) as c:
         c.headers["Authorization"] = f"Bearer {key}"
         i = 0
-        while not stop.is_set():
+        while not stop.is_set() or (cover and i < len(client.models)):
             model = client.models[i % len(client.models)]
             path, body = request_body(model, words=rng.choice((8, 24, 64)),
                                       max_tokens=rng.choice((8, 16, 24)),
@@ -229,11 +231,12 @@ class Soak:
 
 
 def drive(server: Server, keys: dict[str, str], soak: Soak, seconds: float, seed: int,
-          advance: Any) -> None:
-    """Every client of CLIENTS for `seconds`; then waits for their last answers."""
+          advance: Any, cover: bool = False) -> None:
+    """Every client of CLIENTS for `seconds` (with `cover`, until each also called each of its
+    models once); then waits for their last answers."""
     stop = threading.Event()
     clients = [threading.Thread(target=client_loop, args=(
-        server, keys[cl.key], cl, seed + i, soak.tallies, stop), daemon=True)
+        server, keys[cl.key], cl, seed + i, soak.tallies, stop, cover), daemon=True)
         for i, cl in enumerate(CLIENTS)]
     for t in clients:
         t.start()
@@ -278,7 +281,7 @@ def run(opts: Options) -> Report:
             server.client(timeout=60) as ops:
         ops.headers["Authorization"] = f"Bearer {keys['ops']}"
         soak.procs["idle"] = snapshot(server, ops)
-        drive(server, keys, soak, soak.warmup_s, 100, advance)  # every model loads, pools fill
+        drive(server, keys, soak, soak.warmup_s, 100, advance, cover=True)  # every model loads
         quiet(server, ops, soak, "start")
         stop = threading.Event()
         sampler = threading.Thread(target=sample_memory, args=(
