@@ -50,6 +50,8 @@ llama_flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
 # The source gets the patches in scripts/patches/ first (each says why; docs/reliability.md lists
 # them), and the build fails if one no longer applies.
 patches=(scripts/patches/llama-cpp-python-*.patch)
+# and llama-server's own (llama-server-*.patch): they change only the runner binary below.
+server_patches=(scripts/patches/llama-server-*.patch)
 # pip's wheel cache does not key on CMAKE_ARGS, so the wheel is built with pip's cache off and
 # kept here, keyed by everything that changes what is built: a clean clone on this machine reuses
 # it, a change of flags, patches or version builds anew.
@@ -97,18 +99,21 @@ fi
 server_flags="$llama_flags -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON"
 server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
 server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
-server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}") | sha256sum | cut -c1-16)
+server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}" "${server_patches[@]}") | sha256sum | cut -c1-16)
 server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
 if [ ! -x "$server_dir/llama-server" ]; then
   echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; 6-12 min) into $server_dir" >&2
   llama_source
+  for p in "${server_patches[@]}"; do
+    patch -p1 --forward --fuzz=0 --quiet -d "$source_dir" < "$p"
+  done
   build_dir="$source_dir/vendor/llama.cpp/build-server"
   # shellcheck disable=SC2086 # the flags are words
   cmake -S "$source_dir/vendor/llama.cpp" -B "$build_dir" $server_flags >/dev/null
   cmake --build "$build_dir" --target llama-server -j "$(nproc)" >/dev/null
   rm -rf "$server_dir.partial" && mkdir -p "$server_dir.partial"
   cp "$build_dir/bin/llama-server" "$server_dir.partial/"
-  (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$server_dir.partial/patches.sha256"
+  (cd scripts/patches && sha256sum llama-cpp-python-*.patch llama-server-*.patch) > "$server_dir.partial/patches.sha256"
   rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
 fi
 # An older .venv may hold a native build under the same version number: replace it unless it is

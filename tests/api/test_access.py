@@ -76,6 +76,7 @@ def test_no_key_or_a_wrong_key_is_401(server: Running) -> None:
         err = error_of(c.post("/v1/embeddings", json={"model": "emb", "input": "x"}), 401)
         assert err["code"] == "invalid_api_key" and "Authorization: Bearer" in err["message"]
         assert c.get("/healthz").status_code == 200  # open
+        assert c.get("/health").status_code == 200  # vLLM's name for it, open too
         assert c.get("/readyz").status_code == 200
 
 

@@ -170,7 +170,8 @@ E, R, C, P = "/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/comple
 BAD_VALUES = [
     # wrong types
     pytest.param(E, good(E, input=5), "input", id="input-int"),
-    pytest.param(E, good(E, input=[1, 2]), "input", id="input-list-of-int"),
+    pytest.param(E, good(E, input=[1.5, 2]), "input", id="input-list-of-float"),
+    pytest.param(E, good(E, input=[1, 2]), "input", id="input-ids-to-a-text-engine"),
     pytest.param(E, good(E, model=7), "model", id="model-int"),
     pytest.param(C, good(C, messages="hi"), "messages", id="messages-str"),
     pytest.param(C, good(C, messages=[{"role": "wizard", "content": "x"}]), "role",
@@ -563,10 +564,63 @@ def test_plan_without_model_is_400(client: httpx.Client) -> None:
 # ---------------------------------------------------------------- health
 
 
-def test_healthz(client: httpx.Client) -> None:
-    r = client.get("/healthz")
+@pytest.mark.parametrize("path", ["/healthz", "/health"])
+def test_healthz(client: httpx.Client, path: str) -> None:
+    r = client.get(path)
     assert r.status_code == 200
     assert r.json() == {"status": "ok"}
+
+
+# ---------------------------------------------------------------- fields an engine does not honour
+
+
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 5), ("min_p", 0.1), ("repetition_penalty", 1.2), ("presence_penalty", 0.5),
+    ("frequency_penalty", -0.5), ("logit_bias", {"12": 5}), ("ignore_eos", True),
+    ("min_tokens", 2)])
+def test_an_extension_the_engine_does_not_honour_is_refused_by_name(
+        client: httpx.Client, field: str, value: object) -> None:
+    """The fake engine declares none: each is a 400 naming it and the engine, before a load."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/v1/completions", {"prompt": "x"})):
+        err = assert_error(client.post(path, json={"model": CHAT, field: value, **body}), 400,
+                           field, "'fake'")
+        assert err["param"] == field
+    assert_serving(client)
+
+
+def test_extensions_at_their_defaults_are_accepted_anywhere(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={
+        "model": CHAT, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0,
+        "frequency_penalty": 0.0, "ignore_eos": False, "min_tokens": 0, "stop": None,
+        "stream_options": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, None), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stream_options": {"continuous_usage_stats": 1}}, "stream_options")])
+def test_extensions_out_of_range_are_400(client: httpx.Client, body: dict[str, Any],
+                                         param: str | None) -> None:
+    r = client.post("/v1/chat/completions", json={
+        "model": CHAT, "messages": [{"role": "user", "content": "x"}], **body})
+    err = assert_error(r, 400)
+    if param is not None:
+        assert param in (err["param"] or "") + err["message"], err
+
+
+def test_token_ids_are_refused_by_an_engine_that_takes_text(client: httpx.Client) -> None:
+    assert_error(client.post("/v1/embeddings", json={"model": EMBED, "input": [1, 2, 3]}),
+                 400, "token ids")
+    assert_error(client.post("/v1/completions", json={"model": CHAT, "prompt": [[1, 2]]}),
+                 400, "token ids")
+    assert_error(client.post("/v1/embeddings", json={"model": EMBED, "input": [[]]}), 400)
+    assert_error(client.post("/v1/embeddings", json={"model": EMBED, "input": [-1]}), 400)
+    assert_serving(client)
 
 
 def test_readyz_without_pins(client: httpx.Client) -> None:

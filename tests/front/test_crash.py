@@ -81,6 +81,7 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     while time.monotonic() - t_crash < 2:
         try:
             assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
+            assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
         except httpx.HTTPError:
             health_failures += 1
         time.sleep(0.02)

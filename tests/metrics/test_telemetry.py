@@ -142,6 +142,50 @@ def test_refused_requests_are_counted_but_not_timed(tmp_path: Path) -> None:
     assert "packserve_request_duration_seconds_count{" not in text
 
 
+def _telemetry(clock: list[float]) -> Telemetry:
+    spec = ModelSpec(name="m", tasks=[Task.CHAT], backend="fake", source="fake:1MiB")
+    load = LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu", context_length=0)
+    scheduler = Scheduler([Entry(spec=spec, load=load, bytes_estimated=MIB)],
+                          [DeviceBudget("cpu", 10 * MIB, 0)], factory=lambda s: None,  # type: ignore[arg-type,return-value]
+                          probe=None, sinks=())  # type: ignore[arg-type]
+    return Telemetry(scheduler, prices={"cpu": 1.0}, default_price=1.0, currency="EUR",
+                     window_s=100.0, clock=lambda: clock[0])
+
+
+def test_streams_give_time_to_first_token_inter_token_latency_and_goodput() -> None:
+    """Known streams: first tokens at 0.5 s and 3 s (SLO 2 s), 11 tokens over 1.5 s; and an
+    answer sent whole within its SLO. Figures in the industry's terms, by model and by type."""
+    clock = [1000.0]
+    t = _telemetry(clock)
+    clock[0] += 40.0  # the summary's goodput is over the 40 s since the start
+    for queue, load, first, total in ((0.1, 0.0, 0.5, 1.5), (0.5, 2.0, 3.0, 4.0)):
+        t.on_event(RequestEvent(model="m", task="chat", device="cpu", queue_seconds=queue,
+                                load_seconds=load, inference_seconds=total - queue - load,
+                                status=200, outcome="ok", prompt_tokens=5,
+                                completion_tokens=11, first_token_seconds=first, slo_s=2.0))
+    t.on_event(RequestEvent(model="m", task="chat", device="cpu", queue_seconds=0.0,
+                            load_seconds=0.0, inference_seconds=1.0, status=200, outcome="ok",
+                            completion_tokens=4, slo_s=2.0))
+    (row,) = t.summary()["latency"]["by_model"]
+    assert row["count"] == 3 and row["p50_seconds"] == pytest.approx(1.5)
+    assert row["p99_seconds"] == pytest.approx(percentile([1.0, 1.5, 4.0], 99))
+    first = row["time_to_first_token"]
+    assert first["count"] == 2 and first["p50_seconds"] == pytest.approx(1.75)
+    assert first["split_p50_seconds"] == pytest.approx({"queue": 0.3, "load": 1.0,
+                                                        "prompt": 0.45})
+    assert row["inter_token"]["count"] == 2
+    assert row["inter_token"]["p50_seconds"] == pytest.approx(0.1)  # 1.0 s / 10 tokens
+    assert row["within_slo"] == pytest.approx(2 / 3)  # the second stream's first token: 3 s
+    assert row["goodput_rps"] == pytest.approx(2 / 40)
+    text = t.render().decode()
+    assert 'packserve_time_to_first_token_seconds_count{model="m",task="chat"} 2.0' in text
+    assert 'packserve_inter_token_latency_seconds_count{model="m",task="chat"} 2.0' in text
+    assert 'packserve_requests_within_slo_total{model="m",task="chat"} 2.0' in text
+    clock[0] += 200.0  # past the window: no goodput now, the percentiles stay
+    (row,) = t.summary()["latency"]["by_task"]
+    assert row["goodput_rps"] == 0 and row["count"] == 3
+
+
 @pytest.mark.real
 def test_real_model_tokens_match_usage(default_server: Running) -> None:
     with default_server.client() as c:

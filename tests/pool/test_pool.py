@@ -202,6 +202,8 @@ def test_budgets_held_on_every_replica(pool: Pool) -> None:
 def test_keys_scopes_and_limits_hold_at_the_entry_point(pool: Pool) -> None:
     url = pool.served.url
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+    for health in ("/healthz", "/health"):  # keyless, under both names
+        assert httpx.get(f"{url}{health}", timeout=10).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         pool.client("sk-packserve-wrong").models.list()
     scoped = pool.client(pool.keys["embed-only"])

@@ -1,6 +1,6 @@
 """Who may call what: every route is open, needs a key, or needs an admin key.
 
-- open: `/healthz`, `/readyz`.
+- open: `/healthz` (also as `/health`), `/readyz`.
 - any key: the OpenAI and rerank routes, `/v1/models`; a model route also checks the key's
   scope (`Services.lease`), and a model outside it is "does not exist or you have no access".
 - admin key: load, unload, offload, pin, unpin, reload.
@@ -30,7 +30,7 @@ OperatorViews = Literal["open", "admin"]
 # The key of the request being served (None: no keys are configured).
 CALLER: ContextVar[Key | None] = ContextVar("packserve_caller", default=None)
 
-_OPEN = frozenset({"/healthz", "/readyz"})
+_OPEN = frozenset({"/healthz", "/health", "/readyz"})  # /health: vLLM's and TGI's name
 _VIEWS = frozenset({"/", "/metrics", "/v1/metrics/summary", "/v1/residency",
                     "/v1/residency/plan", "/v1/residency/plans", "/v1/pool", "/docs",
                     "/docs/oauth2-redirect", "/openapi.json", "/redoc"})

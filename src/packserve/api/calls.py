@@ -55,6 +55,12 @@ class Call:
         self._lease.count_tokens(sum(out.tokens))
         return out
 
+    async def embed_ids(self, ids: list[list[int]]) -> Embeddings:
+        """Token-id inputs, in one call of their own (the batcher joins texts)."""
+        out = await off_loop(self._lease.runner.embed_ids, ids)
+        self._lease.count_tokens(sum(out.tokens))
+        return out
+
     async def rerank(self, query: str, documents: list[str]) -> Ranking:
         out = await off_loop(self._lease.runner.rerank, query, documents)
         self._lease.count_tokens(out.tokens)
@@ -70,9 +76,10 @@ class Call:
 
     def relay(self, wire: Wire, *, include_usage: bool) -> AsyncGenerator[bytes]:
         """The engine's events for `wire` (a refusal raises at the first), its tokens counted
-        on the lease. Leaving early closes the exchange, which stops the generation."""
+        on the lease and its first text's time marked on it. Leaving early closes the
+        exchange, which stops the generation."""
         return relay.stream(wire, self._lease.model, self._lease.count_tokens,
-                            include_usage=include_usage)
+                            include_usage=include_usage, first_text=self._lease.first_token)
 
     async def generate(self, job: Generate) -> Generated:
         """Run `job` to the end; if the request is cancelled, its `on_text` asks it to stop."""
@@ -138,6 +145,8 @@ class Stream:
         if piece is None:
             self._ended = True
             raise StopAsyncIteration
+        if piece.text:
+            self._lease.first_token()
         return piece
 
     async def result(self) -> Generated:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from packserve.errors import (
 )
 
 READ = 65536
+_TEXT = re.compile(rb'"(?:content|text)":"[^"]')  # an event with text in it
 
 
 class Unreachable(EngineCrashed):
@@ -148,10 +150,12 @@ async def whole(wire: Wire, model: str, count: Count) -> dict[str, Any]:
     return out
 
 
-async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool
-                 ) -> AsyncGenerator[bytes]:
+async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool,
+                 first_text: Callable[[], None] = lambda: None) -> AsyncGenerator[bytes]:
     """A streamed generation's events as the engine writes them, named for `model`. The first
-    `__anext__` opens the exchange, so that a refusal raises before the response starts."""
+    `__anext__` opens the exchange, so that a refusal raises before the response starts.
+    With the wire's `usage_per_chunk`, each event that carries the runner's timings is decoded
+    and carries the usage so far instead (vLLM's `continuous_usage_stats`)."""
     exchange = _Exchange(wire, model)
     try:
         status = await exchange.open()
@@ -164,6 +168,7 @@ async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool
             renames.append((b'"id":"' + wire.id_prefix[0].encode(),
                             b'"id":"' + wire.id_prefix[1].encode()))
         pending = b""
+        texted = False
         while True:
             pending += exchange.take()
             *events, pending = pending.split(b"\n\n")
@@ -184,10 +189,15 @@ async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool
                     out.append(_event(described(error)[0]))
                     continue
                 if event:
+                    if wire.usage_per_chunk and b'"timings":{' in event:
+                        event = _with_usage(event)
                     for theirs, ours in renames:
                         event = event.replace(theirs, ours)
                     out.append(event + b"\n\n")
             if out:
+                if not texted and _TEXT.search(b"".join(out)):
+                    texted = True
+                    first_text()
                 yield b"".join(out)
             if not await exchange.read():
                 break
@@ -200,6 +210,18 @@ async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool
         yield _event(described(gone)[0]) + b"data: [DONE]\n\n"
     finally:
         exchange.close()
+
+
+def _with_usage(event: bytes) -> bytes:
+    """A runner's event with its `timings` turned into the usage so far (the prompt: its
+    tokens read from the cache plus those it read now)."""
+    payload = orjson.loads(event[6:])
+    timings = payload.pop("timings", None) or {}
+    prompt = int(timings.get("cache_n", 0)) + int(timings.get("prompt_n", 0))
+    made = int(timings.get("predicted_n", 0))
+    payload.setdefault("usage", {"prompt_tokens": prompt, "completion_tokens": made,
+                                 "total_tokens": prompt + made})
+    return b"data: " + orjson.dumps(payload)
 
 
 def _event(payload: dict[str, Any]) -> bytes:

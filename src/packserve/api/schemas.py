@@ -3,7 +3,7 @@ boolean, "3" for a number) and absurd values are a 400, not a guess, as OpenAI's
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -14,6 +14,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from packserve.core.backend import EXTENSIONS
 
 MAX_INPUTS = 2048
 MAX_DOCUMENTS = 1000
@@ -43,13 +45,42 @@ class _Body(BaseModel):
     user: Text | None = None  # accepted for OpenAI compatibility; not stored
 
 
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]  # ids of the model's own vocabulary
+Inputs = str | list[str] | list[int] | list[list[int]]
+
+
+def _token_rows(value: Inputs) -> list[list[int]] | None:
+    """Inputs given as token ids (OpenAI's `list[int]`, one input, and `list[list[int]]`), as
+    rows; None when they are text."""
+    if isinstance(value, str) or isinstance(value[0], str):
+        return None
+    rows = value if isinstance(value[0], list) else [value]
+    return [list(row) for row in rows]
+
+
+def _texts(value: Inputs) -> list[str]:
+    return [value] if isinstance(value, str) else list(cast("list[str]", value))
+
+
 class EmbeddingRequest(_Body):
-    input: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_INPUTS)]
+    input: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_INPUTS)]
+            | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)])
     encoding_format: Literal["float", "base64"] = "float"
 
     @property
+    def token_ids(self) -> list[list[int]] | None:
+        """The inputs as rows of token ids, or None when they are texts."""
+        return _token_rows(self.input)
+
+    @property
     def texts(self) -> list[str]:
-        return [self.input] if isinstance(self.input, str) else list(self.input)
+        """The inputs as texts; for token-id inputs, a placeholder per input (max_inputs counts
+        them)."""
+        ids = self.token_ids
+        if ids is not None:
+            return [f"<{len(row)} token ids>" for row in ids]
+        return _texts(self.input)
 
 
 class RerankDocument(BaseModel):
@@ -202,6 +233,8 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    # vLLM's: usage (the tokens so far) in every chunk that carries text, not only at the end
+    continuous_usage_stats: bool = False
 
 
 MAX_METADATA = 16  # key-value pairs, keys of at most 64 characters, values of at most 512
@@ -221,6 +254,16 @@ class _Ignored(BaseModel):
                           "ultrafast"] | None = None
 
 
+MAX_LOGIT_BIAS = 1024  # entries, as OpenAI allows
+
+
+def _token_keys(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key in value or {}:
+        if not key.isascii() or not key.isdigit():
+            raise ValueError(f"logit_bias keys are token ids written as strings; {key!r} is not")
+    return value
+
+
 class _Generation(_Body):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_CAP)
     temperature: float = Field(default=0.7, ge=0.0, le=2.0)
@@ -230,6 +273,39 @@ class _Generation(_Body):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Sampling beyond OpenAI's: absent, each keeps the engine's default (llama.cpp's: top_k 40,
+    # min_p 0.05, no penalties).
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: every token")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_keys)
+                          ] | None = None
+    # vLLM's: generate past the end-of-generation tokens (to max_tokens), or not before
+    # min_tokens tokens; stop strings still apply.
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_CAP)
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> _Generation:
+        cap = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        if self.min_tokens and cap is not None and self.min_tokens > cap:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is above max_tokens ({cap})")
+        return self
+
+    @property
+    def extensions(self) -> tuple[str, ...]:
+        """The fields of EXTENSIONS this request sets to other than their default."""
+        defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "ignore_eos": False,
+                    "min_tokens": 0}
+        return tuple(name for name in EXTENSIONS
+                     if getattr(self, name) != defaults.get(name))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -267,15 +343,23 @@ class ChatRequest(_Generation, _Ignored):
 
 
 class CompletionRequest(_Generation):
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=16)]
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=16)]
+             | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=16)])
     # 0 only with `echo`: score the prompt, generate nothing
     max_tokens: int | None = Field(default=16, ge=0, le=MAX_TOKENS_CAP)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
 
     @property
+    def token_ids(self) -> list[list[int]] | None:
+        """The prompts as rows of token ids, or None when they are texts."""
+        return _token_rows(self.prompt)
+
+    @property
     def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        """The prompts as texts (token-id prompts: empty, their text is the engine's)."""
+        ids = self.token_ids
+        return _texts(self.prompt) if ids is None else ["" for _ in ids]
 
 
 # ------------------------------------------------------------------------------ /v1/responses

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from packserve import backends
 from packserve.api.access import CALLER, may_call
 from packserve.api.asgi import REQUEST_ID
 from packserve.api.batching import Batchers
@@ -33,6 +34,9 @@ class Inputs:
     texts: Sequence[str]
     param: str = "input"
     also: Sequence[str] = ()
+    # Token-id inputs: their lengths, which count toward max_input_tokens as they are (their
+    # `texts` are placeholders, counted toward max_inputs only).
+    token_counts: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,26 @@ class Services:
                 param="model")
         return self.scheduler.spec_of(model)
 
+    def check_engine(self, model: str, fields: Sequence[str] = (), *,
+                     token_ids: str | None = None) -> None:
+        """Refuse, before any load, what the engine of `model` does not honour: generation
+        fields beyond OpenAI's (`fields`, as the request names them) and inputs given as token
+        ids (`token_ids`: the field that holds them)."""
+        spec = self.spec_of(model)
+        engine = backends.get(spec.backend)
+        for name in fields:
+            if name.rpartition(".")[2] not in engine.sampling:
+                honour = sorted(engine.sampling)
+                raise InvalidRequest(
+                    f"model {model!r} is served by engine {engine.name!r}, which does not "
+                    f"honour {name}" + (f" (it honours {', '.join(honour)})" if honour else "")
+                    + "; leave it out, or serve the model with backend = \"llama-server\"",
+                    param=name)
+        if token_ids is not None and not engine.token_ids:
+            raise InvalidRequest(f"{token_ids} is token ids, but model {model!r} is served by "
+                                 f"engine {engine.name!r}, which takes text, not token ids",
+                                 param=token_ids)
+
     def max_tokens(self, model: str, requested: int | None, param: str = "max_tokens",
                    default: int | None = None) -> int | None:
         """The max_tokens a generation runs with: what the request asked (None: it did not
@@ -133,10 +157,12 @@ ServicesDep = Annotated[Services, Depends(services)]
 
 
 async def _check_input_tokens(lease: Lease, spec: ModelSpec, inputs: Inputs) -> None:
-    texts = [*inputs.texts, *inputs.also]
-    if spec.max_input_tokens is None or not texts:
+    texts = [*inputs.also] if inputs.token_counts else [*inputs.texts, *inputs.also]
+    if spec.max_input_tokens is None or not (texts or inputs.token_counts):
         return
-    tokens = sum(await off_loop(lease.runner.count_tokens, texts))
+    tokens = sum(inputs.token_counts)
+    if texts:
+        tokens += sum(await off_loop(lease.runner.count_tokens, texts))
     if tokens > spec.max_input_tokens:
         raise InvalidRequest(f"this request's input is {tokens} tokens; model {spec.name!r} "
                              f"takes at most {spec.max_input_tokens} per request (its "

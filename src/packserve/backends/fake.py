@@ -180,8 +180,9 @@ class FakeBackend(Backend):
              on_text: OnText | None = None) -> Generated:
         return self.complete(messages[-1].content if messages else "", params, on_text)
 
-    def complete(self, prompt: str, params: GenerationParams,
+    def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
+        assert isinstance(prompt, str), "this engine does not declare token_ids"
         if self.control.directives:
             _directives(prompt, on_text)
         words = prompt.split()[: params.max_tokens or None]

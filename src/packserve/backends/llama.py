@@ -244,8 +244,9 @@ class LlamaCppBackend(Backend):
                                                                        tools=tools, **kw),
                          params, on_text, chat=True)
 
-    def complete(self, prompt: str, params: GenerationParams,
+    def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
+        assert isinstance(prompt, str), "this engine does not declare token_ids"
         if not params.echo:
             if self._decoder is not None and prompt:
                 return self._batched(_completion_tokens(self._llm, prompt), params, on_text,
@@ -309,6 +310,7 @@ class LlamaCppBackend(Backend):
             "stop": list(params.stop) or None,
             "seed": None if params.seed is None else params.seed % 2**32,
             "grammar": grammar,
+            **sampling_extensions(params),
         }
         llm = self._llm
         steps = _Steps(llm, params.logprobs)  # counts the tokens; their logprobs if asked
@@ -356,7 +358,7 @@ class LlamaCppBackend(Backend):
             grammar = schema_grammar(params.json_schema)
         job = Job(prompt=tokens,
                   max_tokens=min(params.max_tokens, room) if params.max_tokens else room,
-                  temperature=params.temperature, top_p=params.top_p,
+                  temperature=params.temperature, top_p=params.top_p, **sampling_extensions(params),
                   seed=None if params.seed is None else params.seed % 2**32,
                   stop=tuple(s.encode("utf-8") for s in stop if s), grammar=grammar,
                   recorder=None if params.logprobs is None else _Steps(self._llm,
@@ -628,7 +630,27 @@ def _gguf(path: Path) -> str | None:
 # an operator opts in per model until a machine with more cores, or a GPU, says otherwise.
 DEFAULT_PARALLEL = 1
 
+def sampling_extensions(params: GenerationParams) -> dict[str, Any]:
+    """The extensions this engine honours (`SAMPLING`), by llama.cpp's names (llama-cpp-python's
+    arguments, the batch decoder's `Job` fields and llama-server's request fields); absent,
+    llama.cpp's defaults."""
+    out: dict[str, Any] = {"frequency_penalty": params.frequency_penalty,
+                           "presence_penalty": params.presence_penalty}
+    if params.top_k is not None:
+        out["top_k"] = params.top_k
+    if params.min_p is not None:
+        out["min_p"] = params.min_p
+    if params.repetition_penalty is not None:
+        out["repeat_penalty"] = params.repetition_penalty
+    return out
+
+
+# logit_bias (llama-cpp-python applies it through a Python logits processor per token),
+# ignore_eos and min_tokens are not honoured in the worker: the llama-server engine takes them.
+SAMPLING = frozenset({"top_k", "min_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty"})
 ENGINE = Engine(name="llama-cpp", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
                 default_concurrency=1, build=LlamaCppBackend, size=_size, check_source=_gguf,
-                context=_context, library="llama_cpp", default_parallel=DEFAULT_PARALLEL)
+                context=_context, library="llama_cpp", default_parallel=DEFAULT_PARALLEL,
+                sampling=SAMPLING)
 ENGINES = (ENGINE,)

@@ -66,6 +66,7 @@ from packserve.core.compute import Ticket, batch_turn, token_made
 PROMPT_SLICE = 32  # prompt tokens one sequence reads per step (llama.py reads serial ones so)
 SAMPLE_TOP_K = 40  # llama-cpp-python's defaults for create_completion / create_chat_completion
 SAMPLE_MIN_P = 0.05
+PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size
 
 log = logging.getLogger("packserve.llama")
 
@@ -89,6 +90,11 @@ class Job:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = SAMPLE_TOP_K
+    min_p: float = SAMPLE_MIN_P
+    repeat_penalty: float = 1.0  # with the two below, over the last PENALTY_LAST_N tokens
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[bytes, ...] = ()
     grammar: Any = None  # a llama_cpp LlamaGrammar, used by this job only
@@ -335,11 +341,14 @@ class BatchDecoder:
 
     def _sampler(self, job: Job) -> Any:
         """The chain llama-cpp-python's `Llama._init_sampler` builds for these settings (its
-        repeat penalty of 1.0 changes nothing and is left out), with the job's own seed."""
+        penalties left out when they change nothing), with the job's own seed."""
         from llama_cpp import _internals
 
         internals: Any = _internals  # its classes are untyped
         sampler = internals.LlamaSampler()
+        if (job.repeat_penalty, job.frequency_penalty, job.presence_penalty) != (1.0, 0.0, 0.0):
+            sampler.add_penalties(self._llm.n_vocab(), PENALTY_LAST_N, job.repeat_penalty,
+                                  job.frequency_penalty, job.presence_penalty)
         if job.grammar is not None:
             sampler.add_grammar(self._llm._model, job.grammar)
         seed = job.seed if job.seed is not None else random.randrange(2**32)
@@ -348,10 +357,10 @@ class BatchDecoder:
         elif job.temperature == 0:
             sampler.add_greedy()
         else:
-            sampler.add_top_k(SAMPLE_TOP_K)
+            sampler.add_top_k(job.top_k)
             sampler.add_typical(1.0, 1)
             sampler.add_top_p(job.top_p, 1)
-            sampler.add_min_p(SAMPLE_MIN_P, 1)
+            sampler.add_min_p(job.min_p, 1)
             sampler.add_temp(job.temperature)
             sampler.add_dist(seed)
         return sampler

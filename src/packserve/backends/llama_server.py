@@ -38,10 +38,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from packserve.backends.llama import _context, _gguf, _size, _wire
+from packserve.backends.llama import _context, _gguf, _size, _wire, sampling_extensions
 from packserve.core.backend import (
+    EXTENSIONS,
     Alternative,
     Backend,
     Embeddings,
@@ -235,6 +236,7 @@ class _RunnerProcess(Backend):
 
     _proc: subprocess.Popen[bytes] | None = None
     _dir: Path | None = None
+    n_vocab: int = 0
 
     _unloaded: bool = False
     _restarted_at: float = -math.inf
@@ -281,9 +283,28 @@ class _RunnerProcess(Backend):
             log.close()
         try:
             self._wait_ready()
+            self.n_vocab = self._read_vocab()
         except BaseException:
             self._stop()
             raise
+
+    def _read_vocab(self) -> int:
+        """The model's vocabulary size, as the runner reports it (token ids are below it)."""
+        conn = _UnixHTTP(str(self._socket), timeout=5)
+        try:
+            conn.request("GET", "/v1/models")
+            rows = _json(conn.getresponse().read()).get("data") or [{}]
+            return int((rows[0].get("meta") or {}).get("n_vocab", 0))
+        finally:
+            conn.close()
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        """Refuse token ids outside the model's vocabulary, naming the first."""
+        for token in ids:
+            if not 0 <= token < self.n_vocab:
+                raise InvalidRequest(f"{param} has token id {token}, outside the vocabulary "
+                                     f"of {self.name} (ids 0 to {self.n_vocab - 1})",
+                                     param=param)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -496,7 +517,8 @@ class LlamaServerBackend(_RunnerProcess):
 
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
-        body: dict[str, Any] = {"messages": [_wire(m) for m in messages], **_sampling(params)}
+        body: dict[str, Any] = {"messages": [_wire(m) for m in messages],
+                                **self._sampling(params)}
         if params.tools:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.parameters}}
@@ -506,32 +528,53 @@ class LlamaServerBackend(_RunnerProcess):
             body["top_logprobs"] = params.logprobs
         return self._generate("/v1/chat/completions", body, on_text, "messages")
 
-    def wire(self, task: Task, messages: Sequence[Message] | str, params: GenerationParams,
-             *, stream: bool) -> Wire | None:
+    def wire(self, task: Task, messages: Sequence[Message] | str | Sequence[int],
+             params: GenerationParams, *, stream: bool, usage_per_chunk: bool = False
+             ) -> Wire | None:
         """Plain chats and completions go to the runner as they are and its answer is relayed
         (`api.relay`): no thread, no decoding of each event in the worker. A dead runner
         answers None, so that the request takes `chat`/`complete`, which starts it again."""
         if self.dead() or self._dir is None:
             return None
-        body: dict[str, Any] = {**_sampling(params), "stream": stream}
-        if isinstance(messages, str):
-            body["prompt"], path = messages, "/v1/completions"
+        body: dict[str, Any] = {**self._sampling(params), "stream": stream}
+        completion = task is Task.COMPLETE
+        if completion:
+            prompt = cast("str | Sequence[int]", messages)
+            body["prompt"], path = self._prompt(prompt), "/v1/completions"
         else:
-            body["messages"], path = [_wire(m) for m in messages], "/v1/chat/completions"
+            turns = cast("Sequence[Message]", messages)
+            body["messages"], path = [_wire(m) for m in turns], "/v1/chat/completions"
         if stream:
             body["stream_options"] = {"include_usage": True}  # counted on the lease
+            if usage_per_chunk:
+                body["timings_per_token"] = True  # api.relay makes them usage
         return Wire(socket=str(self._socket), path=path, body=json.dumps(body).encode(),
-                    served_as=self.name,
+                    served_as=self.name, usage_per_chunk=stream and usage_per_chunk,
                     # llama-server names text completions as it names chats
-                    id_prefix=("chatcmpl-", "cmpl-") if isinstance(messages, str) else None)
+                    id_prefix=("chatcmpl-", "cmpl-") if completion else None)
 
-    def complete(self, prompt: str, params: GenerationParams,
+    def _prompt(self, prompt: str | Sequence[int]) -> str | list[int]:
+        """A completion's prompt as the runner takes it: text, or token ids (checked against
+        the vocabulary; taken as they are, no special token added)."""
+        if isinstance(prompt, str):
+            return prompt
+        self.check_ids(prompt, "prompt")
+        return list(prompt)
+
+    def _sampling(self, params: GenerationParams) -> dict[str, Any]:
+        body = _sampling(params)
+        if params.logit_bias:
+            self.check_ids([token for token, _ in params.logit_bias], "logit_bias")
+            body["logit_bias"] = [[token, bias] for token, bias in params.logit_bias]
+        return body
+
+    def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         if params.echo:
             raise InvalidRequest(f"{self.name} runs in a llama-server runner, which cannot "
                                  f"score a prompt's tokens (echo); serve it with backend = "
                                  f"\"llama-cpp\" for that", param="echo")
-        body: dict[str, Any] = {"prompt": prompt, **_sampling(params)}
+        body: dict[str, Any] = {"prompt": self._prompt(prompt), **self._sampling(params)}
         if params.logprobs is not None:
             body["logprobs"] = params.logprobs
         return self._generate("/v1/completions", body, on_text, "prompt")
@@ -616,6 +659,21 @@ class LlamaEmbedBackend(_RunnerProcess):
         vectors, tokens = self._vectors(texts, "input")
         return Embeddings(vectors=vectors, tokens=tokens)
 
+    def embed_ids(self, ids: Sequence[Sequence[int]]) -> Embeddings:
+        """Vectors of inputs given as token ids, taken as they are (no [CLS] or [SEP] added)."""
+        limit = self.spec.context_length
+        for i, row in enumerate(ids):
+            self.check_ids(row, f"input[{i}]" if len(ids) > 1 else "input")
+            if len(row) > limit:
+                raise InputTooLong(f"input[{i}] is {len(row)} tokens; {self.name} reads at "
+                                   f"most {limit} tokens (shorten or split it)", param="input")
+        conn = self._connect()
+        try:
+            vectors = self._embed_rows(conn, [list(row) for row in ids])
+        finally:
+            conn.close()
+        return Embeddings(vectors=vectors, tokens=[len(row) for row in ids])
+
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         vectors, tokens = self._vectors([query, *documents], "documents", first="query")
         return Ranking(scores=[float(s) for s in vectors[1:] @ vectors[0]],
@@ -623,7 +681,6 @@ class LlamaEmbedBackend(_RunnerProcess):
 
     def _vectors(self, texts: Sequence[str], what: str, first: str = ""
                  ) -> tuple[npt.NDArray[np.float32], list[int]]:
-        import numpy as np
 
         limit = self.spec.context_length
 
@@ -642,21 +699,27 @@ class LlamaEmbedBackend(_RunnerProcess):
                     raise InputTooLong(f"{named(i)} is {len(row)} tokens; {self.name} reads at "
                                        f"most {limit} tokens (shorten or split it)",
                                        param="input")
-            response = self._post(conn, "/v1/embeddings",
-                                  {"input": ids, "encoding_format": "base64"}, "input")
-            try:
-                data = _json(response.read()).get("data") or []
-            except (OSError, http.client.HTTPException) as exc:
-                raise self._gone(exc) from exc
+            vectors = self._embed_rows(conn, ids)
         finally:
             conn.close()
-        if len(data) != len(texts):
-            raise RuntimeError(f"llama-server for {self.name} answered {len(data)} vectors "
-                               f"for {len(texts)} inputs")
-        rows = sorted(data, key=lambda d: int(d.get("index", 0)))
-        vectors = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32)
-                            for d in rows])
         return vectors, [len(row) for row in ids]
+
+    def _embed_rows(self, conn: _UnixHTTP, ids: list[list[int]]) -> npt.NDArray[np.float32]:
+        """The runner's vectors for token-id rows, in their order."""
+        import numpy as np
+
+        response = self._post(conn, "/v1/embeddings",
+                              {"input": ids, "encoding_format": "base64"}, "input")
+        try:
+            data = _json(response.read()).get("data") or []
+        except (OSError, http.client.HTTPException) as exc:
+            raise self._gone(exc) from exc
+        if len(data) != len(ids):
+            raise RuntimeError(f"llama-server for {self.name} answered {len(data)} vectors "
+                               f"for {len(ids)} inputs")
+        rows = sorted(data, key=lambda d: int(d.get("index", 0)))
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32)
+                         for d in rows])
 
     def _tokens(self, conn: _UnixHTTP, text: str, *, special: bool) -> list[int]:
         """`text`'s token ids as the runner reads it (with [CLS] and [SEP] when `special`),
@@ -683,6 +746,12 @@ def _sampling(params: GenerationParams) -> dict[str, Any]:
         body["json_schema"] = params.json_schema
     elif params.json_object:
         body["json_schema"] = {"type": "object"}
+    # Beyond OpenAI's, by llama.cpp's names; absent, llama-server's defaults hold.
+    body.update(sampling_extensions(params))
+    if params.ignore_eos:
+        body["ignore_eos"] = True  # every end-of-generation token banned (llama.cpp's list)
+    if params.min_tokens:
+        body["min_tokens"] = params.min_tokens  # scripts/patches/llama-server-min-tokens.patch
     return body
 
 
@@ -766,11 +835,12 @@ def _to_gguf(path: Path, models_dir: Path, announce: Callable[[str], None] | Non
 
 ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
                 default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=_size,
-                check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL)
+                check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL,
+                sampling=frozenset({*EXTENSIONS, "continuous_usage_stats"}), token_ids=True)
 # Embeddings and bi-encoder rerank from a GGUF encoder (the default catalog's MiniLM, converted
 # from its safetensors folder): requests are batched (api/batching.py) into the runner's slots.
 EMBED_ENGINE = Engine(name="llama-server-embed", tasks=frozenset({Task.EMBED, Task.RERANK}),
                       default_concurrency=32, build=LlamaEmbedBackend, size=_embed_size,
                       check_source=_embed_source, context=_embed_context, convert=_to_gguf,
-                      default_parallel=DEFAULT_PARALLEL)
+                      default_parallel=DEFAULT_PARALLEL, token_ids=True)
 ENGINES = (ENGINE, EMBED_ENGINE)

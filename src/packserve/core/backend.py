@@ -101,6 +101,13 @@ class Message:
     tool_call_id: str | None = None  # a tool result's call
 
 
+# The generation fields beyond OpenAI's own that the common servers (vLLM, llama.cpp's, SGLang)
+# take, by their request names; an engine honours those it declares (`Engine.sampling`), and a
+# request that sets another is refused by name.
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+              "logit_bias", "ignore_eos", "min_tokens")
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int | None = None
@@ -117,6 +124,16 @@ class GenerationParams:
     # Chat: tools for the model's own chat template to show it; only given to a backend whose
     # `renders_tools()` is True. What the output may be is `json_schema`'s business.
     tools: tuple[Tool, ...] = ()
+    # Beyond OpenAI's (an engine gets only those its `Engine.sampling` declares): None or the
+    # neutral value keeps the engine's default.
+    top_k: int | None = None  # 0: every token
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    ignore_eos: bool = False  # generate past end-of-generation tokens, to max_tokens
+    min_tokens: int = 0  # no end-of-generation token before this many
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -165,6 +182,7 @@ class Wire:
     served_as: str  # the model name the engine writes into its answers
     # The start of the engine's answer ids and OpenAI's for this route, where they differ.
     id_prefix: tuple[str, str] | None = None
+    usage_per_chunk: bool = False  # its events carry the counts so far (llama.cpp's timings)
 
 
 # Called with each new piece of text and the logprobs of the tokens that made it (empty unless
@@ -218,6 +236,11 @@ class Backend:
     def embed(self, texts: Sequence[str]) -> Embeddings:
         raise TaskNotSupported(f"{self.name} cannot embed")
 
+    def embed_ids(self, ids: Sequence[Sequence[int]]) -> Embeddings:
+        """Vectors of inputs given as token ids of the model's vocabulary, taken as they are;
+        only for an engine that declares `token_ids`."""
+        raise TaskNotSupported(f"{self.name} cannot embed token ids")
+
     def embed_passes(self) -> int:
         """How many `embed` calls may compute at once on this load (the embedding batcher
         keeps that many passes in flight); 1: one after another."""
@@ -237,15 +260,18 @@ class Backend:
              on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot chat")
 
-    def wire(self, task: Task, messages: Sequence[Message] | str, params: GenerationParams,
-             *, stream: bool) -> Wire | None:
-        """The request to relay for this chat (`messages`) or completion (a prompt), if the
-        engine answers in OpenAI's shape itself; None: the route calls `chat` or `complete`.
+    def wire(self, task: Task, messages: Sequence[Message] | str | Sequence[int],
+             params: GenerationParams, *, stream: bool, usage_per_chunk: bool = False
+             ) -> Wire | None:
+        """The request to relay for this chat (`messages`) or completion (a prompt: text, or
+        token ids where the engine declares `token_ids`), if the engine answers in OpenAI's
+        shape itself; None: the route calls `chat` or `complete`. With `usage_per_chunk`, each
+        streamed event carries the engine's counts so far (`api.relay` makes them usage).
         Called on the event loop under a lease, only for plain generations (no tools, no
         structured output, no logprobs, no echo); no I/O."""
         return None
 
-    def complete(self, prompt: str, params: GenerationParams,
+    def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot complete text")
 
@@ -294,6 +320,9 @@ class Runner:
     def embed(self, texts: Sequence[str]) -> Embeddings:
         return self._backend.embed(texts)
 
+    def embed_ids(self, ids: Sequence[Sequence[int]]) -> Embeddings:
+        return self._backend.embed_ids(ids)
+
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         return self._backend.rerank(query, documents)
 
@@ -307,11 +336,13 @@ class Runner:
              on_text: OnText | None = None) -> Generated:
         return self._backend.chat(messages, params, on_text)
 
-    def wire(self, task: Task, messages: Sequence[Message] | str, params: GenerationParams,
-             *, stream: bool) -> Wire | None:
-        return self._backend.wire(task, messages, params, stream=stream)
+    def wire(self, task: Task, messages: Sequence[Message] | str | Sequence[int],
+             params: GenerationParams, *, stream: bool, usage_per_chunk: bool = False
+             ) -> Wire | None:
+        return self._backend.wire(task, messages, params, stream=stream,
+                                  usage_per_chunk=usage_per_chunk)
 
-    def complete(self, prompt: str, params: GenerationParams,
+    def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         return self._backend.complete(prompt, params, on_text)
 

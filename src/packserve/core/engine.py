@@ -59,6 +59,10 @@ class Engine:
     - `default_parallel`: sequences one load decodes together in one batch when the entry does
       not say (`parallel`); 0 for an engine that does not (the entry may not set `parallel`).
       An entry's default concurrency is at least its `parallel`, so the slots can fill.
+    - `sampling`: the generation fields beyond OpenAI's own (`api.schemas.EXTENSIONS`) that this
+      engine honours; a request that sets another is refused with a 400 naming it, before any
+      load. `token_ids`: it takes inputs given as token ids of the model's own vocabulary
+      (embeddings' `input`, completions' `prompt`).
     """
 
     name: str
@@ -74,6 +78,8 @@ class Engine:
     environment: Mapping[str, str] = field(default_factory=dict)
     default_parallel: int = 0
     convert: Callable[[Path, Path, Callable[[str], None] | None], Path] | None = None
+    sampling: frozenset[str] = frozenset()
+    token_ids: bool = False
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS

@@ -93,6 +93,10 @@ class RequestEvent:
     started: bool = False  # a RequestStartEvent was emitted for it
     request_id: str = ""
     key: str = ""  # the name of the caller's API key (never the key), "" without keys
+    # A stream's time to its first text, from its arrival at the scheduler (queue, load or
+    # restore, and prompt); None for an answer sent whole.
+    first_token_seconds: float | None = None
+    slo_s: float = 0.0  # the request's SLO: its first token (a stream) or its answer, within
     kind: str = "request"
 
 

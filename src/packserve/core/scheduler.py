@@ -156,10 +156,17 @@ class Lease:
     runner: Runner
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    first_token_at: float | None = None  # a stream's first text went out (its clock's time)
 
     def count_tokens(self, prompt: int, completion: int = 0) -> None:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
+
+    def first_token(self) -> None:
+        """A stream sent its first text now (time to first token, in the RequestEvent)."""
+        if self.first_token_at is None:
+            self.first_token_at = self.clock()
 
 
 @dataclass(frozen=True)
@@ -584,7 +591,7 @@ class Scheduler:
             await self._ensure_hot(res, due=(t_enter + slo, t_enter + self._load_turn * slo))
             t_ready = self._clock()
             assert res.runner is not None
-            lease = Lease(model=name, task=task, runner=res.runner)
+            lease = Lease(model=name, task=task, runner=res.runner, clock=self._clock)
             self._emit(RequestStartEvent(model=name, task=task.value, device=device,
                                          request_id=request_id, key=key))
             yield lease
@@ -606,7 +613,9 @@ class Scheduler:
                 status=status, outcome=outcome,
                 prompt_tokens=lease.prompt_tokens if lease else 0,
                 completion_tokens=lease.completion_tokens if lease else 0,
-                started=lease is not None, request_id=request_id, key=key))
+                started=lease is not None, request_id=request_id, key=key,
+                first_token_seconds=None if lease is None or lease.first_token_at is None
+                else lease.first_token_at - t_enter, slo_s=self._slo(slo_s)))
 
     async def _take_slot(self, model: _Model, key: str = "", weight: float = 1.0) -> None:
         decision = admit_request(model.running, len(model.waiters), model.spec.concurrency,

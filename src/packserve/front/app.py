@@ -267,6 +267,7 @@ def create_front_app(front: Front) -> ASGIApp:
     app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
+            Route("/health", healthz, methods=["GET"]),  # vLLM's, TGI's and SGLang's name
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/metrics/summary", summary, methods=["GET"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,6 +31,8 @@ from packserve.types import State, Task
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25,
+                 0.5, 1.0)
 LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 EMBEDDING_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 RECENT_LATENCIES = 1000  # per model and task, for the summary's p50/p95
@@ -55,8 +57,9 @@ class Telemetry:
         self.currency = currency
         self.window_s = window_s
         self.cost = CostMeter(prices, clock, default_price)
-        self._latency: dict[tuple[str, str], deque[float]] = defaultdict(
+        self._recent: dict[tuple[str, str], deque[_Done]] = defaultdict(
             lambda: deque(maxlen=RECENT_LATENCIES))
+        self._started = clock()
         self._events: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._headroom: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
 
@@ -69,6 +72,19 @@ class Telemetry:
             "Request latency by phase: queue (quota wait), load (waiting for the model to "
             "load), inference, total", ["model", "task", "phase"], buckets=LATENCY_BUCKETS,
             registry=self.registry)
+        self._ttft = Histogram(
+            "packserve_time_to_first_token_seconds",
+            "Streams: from the request's arrival at its model to its first text (queue, load or "
+            "restore, and prompt)", ["model", "task"], buckets=LATENCY_BUCKETS,
+            registry=self.registry)
+        self._itl = Histogram(
+            "packserve_inter_token_latency_seconds",
+            "Streams: the mean time between tokens after the first, one observation per request",
+            ["model", "task"], buckets=TOKEN_BUCKETS, registry=self.registry)
+        self._within_slo = Counter(
+            "packserve_requests_within_slo", "Successful requests within their SLO (a stream: "
+            "its first token; otherwise its whole answer); per second, this is goodput",
+            ["model", "task"], registry=self.registry)
         self._tokens = Counter(
             "packserve_tokens", "Tokens by direction: prompt and completion for generation, "
             "input for embed and rerank", ["model", "direction"], registry=self.registry)
@@ -164,7 +180,14 @@ class Telemetry:
         for phase, seconds in (("queue", e.queue_seconds), ("load", e.load_seconds),
                                ("inference", e.inference_seconds), ("total", total)):
             self._duration.labels(e.model, e.task, phase).observe(seconds)
-        self._latency[(e.model, e.task)].append(total)
+        done = _Done.of(e, self._clock())
+        if done.ttft is not None:
+            self._ttft.labels(e.model, e.task).observe(done.ttft)
+        if done.itl is not None:
+            self._itl.labels(e.model, e.task).observe(done.itl)
+        if done.within_slo:
+            self._within_slo.labels(e.model, e.task).inc()
+        self._recent[(e.model, e.task)].append(done)
 
     def _remember(self, event: LoadEvent | EvictEvent | LoadFailedEvent) -> None:
         self._events.append({"ts": self._wall(), **asdict(event)})
@@ -198,13 +221,15 @@ class Telemetry:
                                                                                      headroom),
                 "price_per_hour": self.cost.price(d.name)})
         by_model, by_task = [], []
-        tasks: dict[str, list[float]] = defaultdict(list)
-        for (model, task), window in sorted(self._latency.items()):
-            values = list(window)
-            tasks[task].extend(values)
-            by_model.append({"model": model, "task": task, **_percentiles(values)})
-        for task, values in sorted(tasks.items()):
-            by_task.append({"task": task, **_percentiles(values)})
+        tasks: dict[str, list[_Done]] = defaultdict(list)
+        now = self._clock()
+        span = max(1e-9, min(self.window_s, now - self._started))
+        for (model, task), window in sorted(self._recent.items()):
+            done = list(window)
+            tasks[task].extend(done)
+            by_model.append({"model": model, "task": task, **_figures(done, now, span)})
+        for task, done in sorted(tasks.items()):
+            by_task.append({"task": task, **_figures(done, now, span)})
         models, mix = self.cost.report()
         per_million = {m.model: m.cost_per_million_tokens for m in models}
         by_key = [{"key": key, "model": model, "tokens": tokens,
@@ -217,19 +242,67 @@ class Telemetry:
             "devices": devices,
             "latency": {"by_model": by_model, "by_task": by_task,
                         "note": f"over the last {RECENT_LATENCIES} successful requests per "
-                                f"model; /metrics has the full histograms"},
+                                f"model: end-to-end seconds (p50_seconds...), streams' time "
+                                f"to first token split into queue, load (or restore) and "
+                                f"prompt, their inter-token latency, the share within the "
+                                f"SLO, and goodput (requests within their SLO per second, "
+                                f"over the last {self.window_s:.0f} s); /metrics has the "
+                                f"full histograms"},
             "cost": {"models": [asdict(m) for m in models], "mix": asdict(mix),
                      "by_key": by_key},
             "events": list(reversed(self._events)),
         }
 
 
+@dataclass(frozen=True)
+class _Done:
+    """One successful request, as the summary's figures need it."""
+
+    at: float  # when it ended (the telemetry's clock)
+    total: float
+    ttft: float | None  # streams only
+    itl: float | None  # streams of two tokens or more
+    queue: float
+    load: float
+    within_slo: bool
+
+    @staticmethod
+    def of(e: RequestEvent, now: float) -> _Done:
+        total = e.queue_seconds + e.load_seconds + e.inference_seconds
+        ttft = e.first_token_seconds
+        itl = None
+        if ttft is not None and e.completion_tokens > 1:
+            itl = max(0.0, total - ttft) / (e.completion_tokens - 1)
+        measured = ttft if ttft is not None else total
+        return _Done(at=now, total=total, ttft=ttft, itl=itl, queue=e.queue_seconds,
+                     load=e.load_seconds, within_slo=e.slo_s > 0 and measured <= e.slo_s)
+
+
+def _figures(done: list[_Done], now: float, span: float) -> dict[str, Any]:
+    """End-to-end percentiles, streams' time to first token (split) and inter-token latency,
+    the share within the SLO, and goodput over the last `span` seconds."""
+    streams = [d for d in done if d.ttft is not None]
+    first = _percentiles([d.ttft for d in streams if d.ttft is not None])
+    if streams:
+        first["split_p50_seconds"] = {
+            "queue": percentile(sorted(d.queue for d in streams), 50),
+            "load": percentile(sorted(d.load for d in streams), 50),
+            "prompt": percentile(sorted(max(0.0, (d.ttft or 0.0) - d.queue - d.load)
+                                        for d in streams), 50)}
+    recent = [d for d in done if d.at >= now - span]
+    return {**_percentiles([d.total for d in done]),
+            "time_to_first_token": first,
+            "inter_token": _percentiles([d.itl for d in done if d.itl is not None]),
+            "within_slo": sum(d.within_slo for d in done) / len(done) if done else None,
+            "goodput_rps": sum(d.within_slo for d in recent) / span}
+
+
 def _percentiles(values: list[float]) -> dict[str, Any]:
     if not values:
-        return {"count": 0, "p50_seconds": None, "p95_seconds": None}
+        return {"count": 0, **{f"p{q}_seconds": None for q in (50, 90, 95, 99)}}
     ordered = sorted(values)
-    return {"count": len(values), "p50_seconds": percentile(ordered, 50),
-            "p95_seconds": percentile(ordered, 95)}
+    return {"count": len(values), **{f"p{q}_seconds": percentile(ordered, q)
+                                     for q in (50, 90, 95, 99)}}
 
 
 def percentile(ordered: list[float], q: float) -> float:

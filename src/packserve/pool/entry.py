@@ -323,6 +323,7 @@ def create_entry_app(pool: Pool) -> ASGIApp:
     routes += [
         Route("/", status_page, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),  # vLLM's, TGI's and SGLang's name
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/metrics/summary", summary, methods=["GET"]),

@@ -13,7 +13,7 @@ from packserve.api.access import may_call
 from packserve.api.calls import Generate
 from packserve.api.generation import ChatCompletion, TextCompletion, answer
 from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingRequest
-from packserve.api.services import Inputs, ServicesDep
+from packserve.api.services import Inputs, Services, ServicesDep
 from packserve.api.structured import check_json, response_format
 from packserve.api.tools import chat_with_tools, tool_use
 from packserve.core.backend import Generated, GenerationParams, OnText, Runner, Wire
@@ -48,8 +48,12 @@ def _model_row(m: ModelStatus) -> dict[str, Any]:
 
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, s: ServicesDep) -> Response:
-    async with s.lease(body.model, Task.EMBED, Inputs(body.texts)) as call:
-        out = await call.embed(body.texts)
+    ids = body.token_ids
+    if ids is not None:
+        s.check_engine(body.model, token_ids="input")
+    inputs = Inputs(body.texts, token_counts=[len(row) for row in ids or ()])
+    async with s.lease(body.model, Task.EMBED, inputs) as call:
+        out = await (call.embed(body.texts) if ids is None else call.embed_ids(ids))
     vectors = out.vectors.astype("<f4", copy=False)
     # Floats are written as the doubles the float32 values are (what `tolist()` gave), so that
     # a client reading them gets exactly the numbers base64 carries. orjson writes them
@@ -71,12 +75,14 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
     schema, json_mode = response_format(body)
     asked, param = ((body.max_completion_tokens, "max_completion_tokens")
                     if body.max_completion_tokens else (body.max_tokens, "max_tokens"))
+    use = tool_use(body)
+    continuous = _checked(body, s, shaped_here=schema is not None or json_mode
+                          or body.logprobs or use is not None)
     params = GenerationParams(
         max_tokens=s.max_tokens(body.model, asked, param),
         temperature=body.temperature, top_p=body.top_p, stop=body.stops, seed=body.seed,
         json_schema=schema, json_object=json_mode,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    use = tool_use(body)
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None, **_extensions(body))
     if use is not None:
         return await chat_with_tools(s, body, params, use)
     turns = [ChatTurn("system" if m.role == "developer" else m.role, m.text)
@@ -90,7 +96,7 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
             check_json(out.text, schema, body.model)
 
     def plain(runner: Runner, stream: bool) -> Wire | None:
-        return runner.wire(Task.CHAT, turns, params, stream=stream)
+        return runner.wire(Task.CHAT, turns, params, stream=stream, usage_per_chunk=continuous)
 
     inputs = Inputs([m.text for m in body.messages], "messages")
     return await answer(s, ChatCompletion(body.model, logprobs=body.logprobs), Task.CHAT, [run],
@@ -105,11 +111,18 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
 async def completions(body: CompletionRequest, s: ServicesDep
                       ) -> dict[str, Any] | StreamingResponse:
     asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    ids = body.token_ids
+    if ids is not None:
+        s.check_engine(body.model, token_ids="prompt")
+        if body.echo:
+            raise InvalidRequest("echo needs the prompt's text; this prompt is token ids",
+                                 param="echo")
+    continuous = _checked(body, s, shaped_here=body.echo or body.logprobs is not None)
     params = GenerationParams(max_tokens=s.max_tokens(body.model, asked,
                                                       default=body.max_tokens),
                               temperature=body.temperature,
                               top_p=body.top_p, stop=body.stops, seed=body.seed,
-                              logprobs=body.logprobs, echo=body.echo)
+                              logprobs=body.logprobs, echo=body.echo, **_extensions(body))
     if body.stream and len(body.prompts) != 1:
         raise InvalidRequest("streaming takes one prompt", param="prompt")
     if body.max_tokens == 0 and not body.echo:
@@ -118,22 +131,56 @@ async def completions(body: CompletionRequest, s: ServicesDep
     if body.stream and body.echo:
         raise InvalidRequest("echo is not supported with stream; ask without stream to score "
                              "a prompt", param="echo")
-    jobs = [_complete(prompt, params) for prompt in body.prompts]
+    prompts: list[str] | list[list[int]] = body.prompts if ids is None else ids
+    jobs = [_complete(prompt, params) for prompt in prompts]
     reply = TextCompletion(body.model, body.prompts, logprobs=body.logprobs is not None,
                            echo=body.echo)
-    prompt = body.prompts[0]
+    prompt = prompts[0]
 
     def plain(runner: Runner, stream: bool) -> Wire | None:
-        return runner.wire(Task.COMPLETE, prompt, params, stream=stream)
+        return runner.wire(Task.COMPLETE, prompt, params, stream=stream,
+                           usage_per_chunk=continuous)
 
-    return await answer(s, reply, Task.COMPLETE, jobs,
-                        inputs=Inputs(body.prompts, "prompt"), stream=body.stream,
+    inputs = Inputs(body.prompts, "prompt", token_counts=[len(row) for row in ids or ()])
+    return await answer(s, reply, Task.COMPLETE, jobs, inputs=inputs, stream=body.stream,
                         include_usage=body.include_usage,
                         plain=plain if len(body.prompts) == 1 and not body.echo
                         and body.logprobs is None else None)
 
 
-def _complete(prompt: str, params: GenerationParams) -> Generate:
+def _checked(body: ChatRequest | CompletionRequest, s: Services, *, shaped_here: bool) -> bool:
+    """Refuse the extensions that the model's engine, or this request's other fields, do not
+    allow; whether each streamed chunk carries the usage so far (continuous_usage_stats)."""
+    continuous = body.stream and body.continuous_usage
+    s.check_engine(body.model, [*body.extensions,
+                                *(["stream_options.continuous_usage_stats"] if continuous
+                                  else [])])
+    if continuous and shaped_here:
+        raise InvalidRequest("stream_options.continuous_usage_stats is served on plain "
+                             "generations; this one (logprobs, echo, structured output or "
+                             "tools) is shaped by packserve, which reports usage at its end",
+                             param="stream_options")
+    forced = "min_tokens" if body.min_tokens else "ignore_eos" if body.ignore_eos else None
+    if forced is not None and isinstance(body, ChatRequest) and (
+            (body.response_format is not None and body.response_format.type != "text")
+            or tool_use(body) is not None):
+        raise InvalidRequest(f"{forced} makes the model go on past its end, and a JSON answer "
+                             f"or a tool call ends where its JSON does: ask for one or the "
+                             f"other", param=forced)
+    return continuous
+
+
+def _extensions(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """The request's fields beyond OpenAI's, as GenerationParams takes them."""
+    return {"top_k": None if body.top_k is None else max(body.top_k, 0),
+            "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "logit_bias": tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+            "ignore_eos": body.ignore_eos, "min_tokens": body.min_tokens}
+
+
+def _complete(prompt: str | list[int], params: GenerationParams) -> Generate:
     def run(runner: Runner, on_text: OnText) -> Generated:
         return runner.complete(prompt, params, on_text)
     return run

@@ -33,6 +33,7 @@ async def metrics_summary(s: ServicesDep) -> dict[str, Any]:
 
 
 @router.get("/healthz")
+@router.get("/health", include_in_schema=False)  # the name vLLM, TGI and SGLang serve
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
