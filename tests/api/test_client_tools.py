@@ -87,7 +87,10 @@ def test_aiperf_runs_without_an_error(server: Running, tokenizer: Path, tmp_path
     art = tmp_path / "aiperf"
     _tool("aiperf", [
         "profile", "--model", model, "--url", server.url, "--endpoint-type", endpoint,
+        # with a rate, not concurrency alone: aiperf then sleeps between its credits instead
+        # of spinning a core (docs/clients.md)
         "--tokenizer", str(tokenizer), "--request-count", "6", "--concurrency", "2",
+        "--request-rate", "20",
         "--isl", "32", "--artifact-dir", str(art), "--ui", "none", *extra], tmp_path)
     report = json.loads((art / "profile_export_aiperf.json").read_text())
     assert report["request_count"]["avg"] == 6, report["request_count"]
