@@ -135,6 +135,42 @@ def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served:
         assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
 
 
+def test_a_responses_stream_cut_by_a_crash_ends_with_typed_events(served: Served) -> None:
+    """/v1/responses streams end in their own shape, not chat's `data: {"error"}` + [DONE]:
+    an `error` event and `response.failed` for the same response, numbered on from the last
+    event relayed (api.stream_end, shared with the pool's entry point)."""
+    srv = served
+    with srv.client() as c:
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
+    pid = srv.worker_pid()
+    lines: list[str] = []
+
+    def read() -> None:
+        with srv.client() as c, c.stream("POST", "/v1/responses", json={
+                "model": "gen", "input": "streamed @@sleep=30", "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            lines.extend(line for line in r.iter_lines() if line)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    srv.wait_in_flight("gen")
+    os.kill(pid, signal.SIGSEGV)
+    reader.join(timeout=60)
+    assert not reader.is_alive()
+    events = [json.loads(line.removeprefix("data: ")) for line in lines
+              if line.startswith("data: ")]
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert names[0] == "response.created" and names[-2:] == ["error", "response.failed"], names
+    assert "data: [DONE]" not in lines
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    error, failed = events[-2], events[-1]
+    assert error["code"] == "engine_crashed" and "SIGSEGV" in error["message"]
+    response = failed["response"]
+    assert response["id"] == events[0]["response"]["id"] and response["status"] == "failed"
+    assert response["error"] == {"code": "engine_crashed", "message": error["message"]}
+    srv.wait_ready(other_than_pid=pid)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGABRT])
 def test_a_kill_from_outside_is_charged_and_recovered(served: Served,
                                                       sig: signal.Signals) -> None:

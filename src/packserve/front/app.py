@@ -43,6 +43,7 @@ from packserve.api.asgi import (
     RequestId,
     error_body,
 )
+from packserve.api.stream_end import StreamEnd
 from packserve.auth import KeyRing
 from packserve.config import Config
 from packserve.errors import ConfigError
@@ -406,12 +407,13 @@ def _crash_message(crash: Crash, model: str, task: str) -> str:
 
 async def _relay(front: Front, worker: Worker, call: _Call,
                  upstream: Upstream) -> AsyncIterator[bytes]:
-    """Relay a worker's event stream. If the worker dies mid-stream: an error event, then end."""
-    tail = b"\n\n"
+    """Relay a worker's event stream. If the worker dies mid-stream: an error in the route's
+    own shape, then the end (`api.stream_end`)."""
+    end = StreamEnd(call.path)
     try:
         async for chunk in upstream.chunks():
             if chunk:
-                tail = chunk[-2:]
+                end.seen(chunk)
                 yield chunk
     except UpstreamError:
         try:
@@ -428,9 +430,7 @@ async def _relay(front: Front, worker: Worker, call: _Call,
         else:
             message, code = "the connection to packserve's worker broke mid-stream", \
                 "worker_connection_failed"
-        prefix = b"" if tail == b"\n\n" else b"\n\n"
-        payload = json.dumps(error_body(message, "model_unavailable", code=code))
-        yield prefix + f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+        yield end.ending(message, code)
     finally:
         if call.on_stream_end is not None:
             call.on_stream_end()

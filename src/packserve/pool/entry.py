@@ -43,6 +43,7 @@ from starlette.types import ASGIApp
 
 from packserve.api.access import CALLER, Authenticate, may_call
 from packserve.api.asgi import REQUEST_ID, BodyLimit, CancelOnDisconnect, RequestId, error_body
+from packserve.api.stream_end import StreamEnd
 from packserve.auth import KeyLimits, KeyRing
 from packserve.config import Config
 from packserve.errors import RateLimited
@@ -434,11 +435,11 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
         return _response(head)
 
     async def body() -> AsyncIterator[bytes]:
-        tail = b"\n\n"
+        end = StreamEnd(path)
         try:
             async for chunk in gen:
                 assert isinstance(chunk, bytes)
-                tail = chunk[-2:]
+                end.seen(chunk)
                 if b'"total_tokens"' in chunk:
                     release.tokens = _tokens(chunk)
                 yield chunk
@@ -446,9 +447,7 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
             pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
             message = (f"the pool replica serving model {relay.model!r} died mid-stream "
                        f"({type(exc).__name__}); a generation is not sent again")
-            payload = json.dumps(error_body(message, "model_unavailable", code="replica_lost"))
-            prefix = b"" if tail == b"\n\n" else b"\n\n"
-            yield prefix + f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+            yield end.ending(message, "replica_lost")
         finally:
             release.done()
 
