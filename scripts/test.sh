@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Set up (if needed), then run the gates and the whole test suite on CPU with real models.
+#   scripts/test.sh [PYTEST ARGS]         everything (README's test command, and CI's)
+#   scripts/test.sh --fast [PYTEST ARGS]  the tests that load no real model and start no
+#                                         process (markers `real` and `process`, tests/conftest.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=()
+if [ "${1:-}" = --fast ]; then
+  shift
+  fast=(-m "not real and not process")
+fi
 scripts/setup.sh --dev
 # The status-page test drives a real headless Chromium: Debian's package, not a download.
 if ! command -v chromium >/dev/null 2>&1; then
@@ -12,4 +20,4 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check src tests
 .venv/bin/mypy
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest ${fast[@]+"${fast[@]}"} "$@"

@@ -91,13 +91,23 @@ def test_embedding_inputs_at_the_limit_and_over_it() -> None:
     refused(EmbeddingRequest, {"model": "m", "input": [*at_limit, "x"]}, "input")
 
 
+def _token_ids(v: object) -> bool:
+    """OpenAI's token-id inputs: a non-empty list of ids (>= 0), or a non-empty list of those."""
+    def ids(x: object) -> bool:
+        return (isinstance(x, list) and bool(x)
+                and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x))
+    return ids(v) or (isinstance(v, list) and bool(v) and all(ids(x) for x in v))
+
+
 @FAST
 @given(bad=st.one_of(
     st.just(""), st.just([]), broken, st.lists(broken, min_size=1, max_size=3),
     st.lists(non_empty, max_size=3).flatmap(
         lambda ok: st.permutations([*ok, ""])),  # one empty text among good ones
-    st.lists(not_strings, min_size=1, max_size=3), not_strings.filter(
-        lambda v: not isinstance(v, list) or any(not isinstance(x, str) for x in v) or not v)))
+    st.lists(not_strings, min_size=1, max_size=3).filter(lambda v: not _token_ids(v)),
+    not_strings.filter(
+        lambda v: not _token_ids(v) and (not isinstance(v, list) or not v
+                                         or any(not isinstance(x, str) for x in v)))))
 def test_bad_embedding_inputs_are_refused_naming_input(bad: object) -> None:
     refused(EmbeddingRequest, {"model": "m", "input": bad}, "input")
 
@@ -111,6 +121,7 @@ def test_any_embedding_input_validates_or_names_input(anything: object) -> None:
         assert {err["loc"][0] for err in exc.errors()} == {"input"}, exc
     else:
         assert req.texts and all(isinstance(t, str) and t for t in req.texts)
+        assert (req.token_ids is not None) == _token_ids(anything)
 
 
 # ----------------------------------------------------------------------------- rerank documents

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -25,6 +24,7 @@ from packserve.api import relay
 from packserve.api.calls import Call, Generate, Plain
 from packserve.api.errors import described
 from packserve.api.services import Inputs, Services
+from packserve.api.sse import sse
 from packserve.core.backend import FinishReason, Generated, TokenLogprob
 from packserve.errors import PackserveError
 from packserve.types import Task
@@ -202,10 +202,6 @@ async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Gene
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
 async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,

@@ -17,6 +17,7 @@ import httptools
 import orjson
 
 from packserve.api.errors import described
+from packserve.api.sse import sse
 from packserve.core.backend import Wire
 from packserve.errors import (
     EngineCrashed,
@@ -225,4 +226,4 @@ def _with_usage(event: bytes) -> bytes:
 
 
 def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return sse(payload).encode()

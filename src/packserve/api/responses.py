@@ -11,7 +11,6 @@ chat's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -25,6 +24,7 @@ from packserve.api.errors import described
 from packserve.api.generation import Check, event_stream
 from packserve.api.schemas import ResponsesRequest
 from packserve.api.services import Inputs, Services
+from packserve.api.sse import sse
 from packserve.core.backend import Generated
 from packserve.errors import PackserveError
 from packserve.types import Task
@@ -82,7 +82,7 @@ class Reply:
         """One server-sent event, named by its type as OpenAI names them."""
         payload = {"type": type_, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        return f"event: {type_}\ndata: {json.dumps(payload)}\n\n"
+        return sse(payload, type_)
 
     def text_event(self, type_: str, **fields: Any) -> str:
         """An event about the one text part of the one output message."""

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from packserve.api.asgi import error_body
+from packserve.api.sse import sse
 
 _SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
 _FIRST_EVENT_MAX = 1 << 20  # the response.created event is a few KiB; past this, stop looking
@@ -51,8 +52,8 @@ class StreamEnd:
         model_unavailable with `code`), after whatever part of an event was relayed last."""
         prefix = b"" if self._tail == b"\n\n" else b"\n\n"
         if not self.responses:
-            payload = json.dumps(error_body(message, "model_unavailable", code=code))
-            return prefix + f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+            error = error_body(message, "model_unavailable", code=code)
+            return prefix + (sse(error) + sse("[DONE]")).encode()
         response = {**(self._response or {}), "status": "failed",
                     "error": {"code": code, "message": message}}
         first = self._sequence + 1
@@ -72,5 +73,4 @@ def _response_of(event: bytes) -> dict[str, Any] | None:
 
 
 def _event(type_: str, sequence: int, **fields: Any) -> bytes:
-    payload = {"type": type_, "sequence_number": sequence, **fields}
-    return f"event: {type_}\ndata: {json.dumps(payload)}\n\n".encode()
+    return sse({"type": type_, "sequence_number": sequence, **fields}, type_).encode()

@@ -29,9 +29,10 @@ from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
-from packserve.api.generation import ChatCompletion, sse
+from packserve.api.generation import ChatCompletion
 from packserve.api.schemas import ChatMessage, ChatRequest
 from packserve.api.services import Inputs, Services
+from packserve.api.sse import sse
 from packserve.api.structured import check_json, checked_schema
 from packserve.core.backend import (
     Generated,
