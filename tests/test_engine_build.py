@@ -17,6 +17,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,7 +132,8 @@ def objdump(path: Path, library: str) -> Scan:
 
 def llama_libraries() -> list[Path]:
     """Every native library of the installed llama_cpp package, one path per distinct file
-    (the wheel ships libfoo.so, libfoo.so.0 and libfoo.so.0.x.y as copies)."""
+    (the wheel ships libfoo.so, libfoo.so.0 and libfoo.so.0.x.y as copies), and the
+    llama-server runner binary."""
     spec = importlib.util.find_spec("llama_cpp")  # finds it without importing it
     if spec is None or not spec.submodule_search_locations:
         pytest.fail("llama_cpp is not installed in this environment: run scripts/setup.sh")
@@ -142,6 +144,11 @@ def llama_libraries() -> list[Path]:
             digest = hashlib.sha256(path.resolve().read_bytes()).hexdigest()
             seen.setdefault(digest, path)
     libs = sorted(seen.values())
+    # and the runner of every GGUF model (llama.cpp linked in statically), built by setup.sh
+    runner = Path(sys.prefix) / "bin" / "llama-server"
+    if not runner.is_file():
+        pytest.fail(f"{runner} is missing: run scripts/setup.sh")
+    libs.append(runner)
     if not any(p.name.startswith("libggml-cpu") or p.name.startswith("libggml.")
                for p in libs) or not any(p.name.startswith("libllama") for p in libs):
         pytest.fail(f"no llama.cpp libraries (libggml*, libllama*) under {folder}: found "

@@ -196,10 +196,11 @@ async def stream(wire: Wire, model: str, count: Count, *, include_usage: bool,
                         event = event.replace(theirs, ours)
                     out.append(event + b"\n\n")
             if out:
-                if not texted and _TEXT.search(b"".join(out)):
+                chunk = b"".join(out)
+                if not texted and _TEXT.search(chunk):
                     texted = True
                     first_text()
-                yield b"".join(out)
+                yield chunk
             if not await exchange.read():
                 break
         # The answer ended without its [DONE]: the engine died mid-stream.

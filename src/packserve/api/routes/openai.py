@@ -76,8 +76,9 @@ async def chat(body: ChatRequest, s: ServicesDep) -> dict[str, Any] | StreamingR
     asked, param = ((body.max_completion_tokens, "max_completion_tokens")
                     if body.max_completion_tokens else (body.max_tokens, "max_tokens"))
     use = tool_use(body)
-    continuous = _checked(body, s, shaped_here=schema is not None or json_mode
-                          or body.logprobs or use is not None)
+    json_answer = schema is not None or json_mode or use is not None
+    continuous = _checked(body, s, shaped_here=json_answer or body.logprobs,
+                          json_answer=json_answer)
     params = GenerationParams(
         max_tokens=s.max_tokens(body.model, asked, param),
         temperature=body.temperature, top_p=body.top_p, stop=body.stops, seed=body.seed,
@@ -148,9 +149,11 @@ async def completions(body: CompletionRequest, s: ServicesDep
                         and body.logprobs is None else None)
 
 
-def _checked(body: ChatRequest | CompletionRequest, s: Services, *, shaped_here: bool) -> bool:
+def _checked(body: ChatRequest | CompletionRequest, s: Services, *, shaped_here: bool,
+             json_answer: bool = False) -> bool:
     """Refuse the extensions that the model's engine, or this request's other fields, do not
-    allow; whether each streamed chunk carries the usage so far (continuous_usage_stats)."""
+    allow (`shaped_here`: packserve shapes the stream; `json_answer`: a JSON answer or a tool
+    call); whether each streamed chunk carries the usage so far (continuous_usage_stats)."""
     continuous = body.stream and body.continuous_usage
     s.check_engine(body.model, [*body.extensions,
                                 *(["stream_options.continuous_usage_stats"] if continuous
@@ -161,9 +164,7 @@ def _checked(body: ChatRequest | CompletionRequest, s: Services, *, shaped_here:
                              "tools) is shaped by packserve, which reports usage at its end",
                              param="stream_options")
     forced = "min_tokens" if body.min_tokens else "ignore_eos" if body.ignore_eos else None
-    if forced is not None and isinstance(body, ChatRequest) and (
-            (body.response_format is not None and body.response_format.type != "text")
-            or tool_use(body) is not None):
+    if forced is not None and json_answer:
         raise InvalidRequest(f"{forced} makes the model go on past its end, and a JSON answer "
                              f"or a tool call ends where its JSON does: ask for one or the "
                              f"other", param=forced)
