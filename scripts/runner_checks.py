@@ -3,6 +3,7 @@
     .venv/bin/python scripts/runner_checks.py drift        # greedy answers: together vs alone
     .venv/bin/python scripts/runner_checks.py start        # where a runner's start goes
     .venv/bin/python scripts/runner_checks.py embed        # MiniLM's runner: bytes, a rerank
+    .venv/bin/python scripts/runner_checks.py warm         # the warm tier: bytes, release, restore
     .venv/bin/python scripts/runner_checks.py contention [NAME=VALUE ...]
                                                   # two busy runners on the same cores
 
@@ -192,6 +193,49 @@ def embed() -> None:
         backend.unload()
 
 
+def warm() -> None:
+    """The runners' warm tier, per default-catalog GGUF: resident MiB hot (after an answer) and
+    warm, seconds to release and to restore the weights' pages, and to start a runner anew
+    (spawn to serving, as a cold load does); the median of three each."""
+    import statistics
+
+    from packserve.backends.llama_server import _RunnerProcess
+
+    folder = Path(tempfile.mkdtemp())
+    for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
+        spec = next(m for m in load_config(None).models if m.name == name)
+        path = resolve_source(spec.source, base_dir=folder, models_dir=folder / "models",
+                              roots=None)
+        engine = backends.get(spec.backend)
+        if engine.convert is not None:
+            path = engine.convert(path, folder / "models", None)
+        starts, releases, restores, hot, warm_bytes = [], [], [], [], []
+        for _ in range(3):
+            backend = engine.build(engine.load_spec(path, "cpu", spec.context_length or 2048,
+                                                    64, {}))
+            assert isinstance(backend, _RunnerProcess)
+            t0 = time.perf_counter()
+            backend.load()
+            starts.append(time.perf_counter() - t0)
+            if "embed" in spec.backend:
+                backend.embed(["a sentence to embed"])
+            else:
+                backend.complete("Once upon a time", GenerationParams(max_tokens=4))
+            hot.append(backend.weight_bytes())
+            t0 = time.perf_counter()
+            assert backend.release_weights()
+            releases.append(time.perf_counter() - t0)
+            warm_bytes.append(backend.weight_bytes())
+            t0 = time.perf_counter()
+            backend.restore_weights()
+            restores.append(time.perf_counter() - t0)
+            backend.unload()
+        med = statistics.median
+        print(f"{name}: hot {med(hot) / 2**20:.0f} MiB, warm {med(warm_bytes) / 2**20:.0f} MiB; "
+              f"release {med(releases) * 1000:.1f} ms, restore {med(restores) * 1000:.1f} ms, "
+              f"a new runner {med(starts) * 1000:.0f} ms")
+
+
 if __name__ == "__main__":
-    {"drift": drift, "contention": contention, "start": start,
-     "embed": embed}[sys.argv[1]]()
+    {"drift": drift, "contention": contention, "start": start, "embed": embed,
+     "warm": warm}[sys.argv[1]]()

@@ -1,14 +1,18 @@
 """The real engines' warm state: `release_weights()` gives most of a load's memory back and
 keeps the engine objects; `restore_weights()` brings the same model back, answering exactly as
-before. Memory is read as the scheduler reads it (the process's resident size after a trim)."""
+before. Memory is read as the scheduler reads it: the process's resident size after a trim, or a
+runner's own resident set (`weight_bytes`)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from packserve import backends
+from packserve.backends.llama_server import LlamaEmbedBackend, RunnerGone, _RunnerProcess
 from packserve.config import load_config
 from packserve.core.backend import Backend, GenerationParams, Message
 from packserve.core.memory import SystemProbe
@@ -21,8 +25,8 @@ def _load(tmp_path: Path, name: str, parallel: int = 1) -> Backend:
     spec = next(m for m in load_config(None).models if m.name == name)
     path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
                           roots=None)
-    # The warm states are the in-process engines' (a runner that leaves is cold): llama.cpp's
-    # in the worker, and sentence-transformers' for MiniLM (its source is the safetensors).
+    # The in-process engines' warm states: llama.cpp's in the worker, and sentence-transformers'
+    # for MiniLM (its source is the safetensors). The runners' are tested below.
     engine = backends.get({"llama-server": "llama-cpp",
                            "llama-server-embed": "sentence-transformers"}.get(spec.backend,
                                                                               spec.backend))
@@ -91,3 +95,61 @@ def test_a_warm_model_can_be_unloaded_without_a_restore(tmp_path: Path) -> None:
     backend = _load(tmp_path, "smollm2-135m-instruct")
     assert backend.release_weights()
     backend.unload()
+
+
+def _runner(tmp_path: Path, name: str) -> _RunnerProcess:
+    """The default catalog's runner of `name`, loaded."""
+    spec = next(m for m in load_config(None).models if m.name == name)
+    path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
+                          roots=None)
+    engine = backends.get(spec.backend)
+    if engine.convert is not None:
+        path = engine.convert(path, tmp_path / "models", None)
+    backend = engine.build(engine.load_spec(path, "cpu", 256 if "embed" in spec.backend
+                                            else 1024, 64, {}))
+    assert isinstance(backend, _RunnerProcess)
+    backend.load()
+    return backend
+
+
+def _answer(backend: _RunnerProcess) -> object:
+    if isinstance(backend, LlamaEmbedBackend):
+        return backend.embed(["a cat sat on the mat", "the weather is fine"]).vectors.tolist()
+    return backend.chat([Message(role="user", content="Name three colours.")],
+                        GenerationParams(max_tokens=16, temperature=0)).text
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "all-minilm-l6-v2"])
+def test_a_runner_goes_warm_in_its_own_process_and_answers_the_same(
+        tmp_path: Path, name: str) -> None:
+    backend = _runner(tmp_path, name)
+    try:
+        before = _answer(backend)
+        pid, hot = backend.pid, backend.weight_bytes()
+        for _ in range(2):
+            assert backend.release_weights()
+            warm = backend.weight_bytes()
+            # the weights file's pages leave its resident set; its buffers and code stay
+            assert 0 < warm < hot * 0.75, (warm, hot)
+            assert backend.pid == pid and not backend.dead()
+            backend.restore_weights()
+            assert backend.weight_bytes() > warm + (hot - warm) // 2  # read back in
+            assert _answer(backend) == before
+    finally:
+        backend.unload()
+    assert backend.dead()
+
+
+def test_a_runner_that_died_while_warm_is_not_restored(tmp_path: Path) -> None:
+    backend = _runner(tmp_path, "smollm2-135m-instruct")
+    try:
+        assert backend.release_weights()
+        assert backend.pid is not None
+        os.kill(backend.pid, signal.SIGKILL)
+        assert backend._proc is not None
+        backend._proc.wait()
+        with pytest.raises(RunnerGone):  # the scheduler then loads it anew
+            backend.restore_weights()
+        assert not backend.release_weights()  # nothing left to release: unloaded
+    finally:
+        backend.unload()

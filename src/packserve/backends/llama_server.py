@@ -8,10 +8,14 @@ server-sent events and hands each piece of text to the request, as it does for a
 
 What a runner is to the scheduler: its bytes are the child's resident set size (`weight_bytes`
 reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it started, not the
-worker's growth); an unload stops the process; it has no warm state (`release_weights` is False:
-a runner that leaves is cold, and its next start reads the weights from the page cache). A runner
-that dies (SIGSEGV, an OOM kill) costs its own requests a 503 and nothing else; its next request
-finds it gone and the scheduler loads it anew (`RunnerGone`).
+worker's growth); an unload stops the process. Its warm state is the process itself with its
+weights file's pages dropped from its resident set (the page cache keeps them while the kernel
+has room): `release_weights` asks the runner to let them go (a patched route,
+scripts/patches/llama-server-release-pages.patch), `restore_weights` to read them back, each in
+milliseconds where a start takes up to half a second; what a warm runner holds is its buffers
+(KV cache, compute) and code. A runner that dies (SIGSEGV, an OOM kill) costs its own requests a
+503 and nothing else; its next request finds it gone and the scheduler loads it anew
+(`RunnerGone`); a warm one found dead is loaded anew.
 
 The binary is built by scripts/setup.sh from the vendored llama.cpp of the pinned
 llama-cpp-python sdist, with the same portable flags and patches, into the virtual environment's
@@ -25,6 +29,7 @@ import contextlib
 import ctypes
 import http.client
 import json
+import logging
 import math
 import os
 import shutil
@@ -71,6 +76,9 @@ if TYPE_CHECKING:
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
 START_TIMEOUT_S = 120.0  # a runner that is not serving by then failed to load
 RESTART_WINDOW_S = 30.0  # a runner that dies again this soon after a restart stays dead
+# A warm runner's release or restore of its weights' pages: milliseconds from the page cache; a
+# restore whose pages the kernel took back reads the file.
+PAGES_TIMEOUT_S = 60.0
 # Slots one runner decodes together (continuous batching), sharing one KV cache of the entry's
 # `context_length` (llama-server's own default: four, unified).
 DEFAULT_PARALLEL = 4
@@ -85,6 +93,8 @@ _MAX_CHARS_PER_TOKEN = 32
 # threads (at `load_nice`), or the runner would serve at the loads' low priority. The
 # supervisor also kills the worker's whole process group when the worker dies; the death signal
 # covers a scheduler run inside another program (the tests).
+log = logging.getLogger(__name__)
+
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packserve-runner-spawn")
 _SPAWNER.submit(int).result()  # the thread exists from now on
 _PR_SET_PDEATHSIG = 1
@@ -237,6 +247,7 @@ class _RunnerProcess(Backend):
     _proc: subprocess.Popen[bytes] | None = None
     _dir: Path | None = None
     n_vocab: int = 0
+    out_of_process = True
 
     _unloaded: bool = False
     _restarted_at: float = -math.inf
@@ -341,6 +352,44 @@ class _RunnerProcess(Backend):
         folder, self._dir = self._dir, None
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def release_weights(self) -> bool:
+        """Hot -> warm: the runner drops its weights file's pages from its resident set and
+        keeps running (its buffers, its slots' cache, its vocabulary). False if it is gone or
+        could not: the scheduler unloads it."""
+        if self.dead():
+            return False
+        if self.pid is not None:
+            TURNS.forget(self.pid)  # it is idle: if its turn had it stopped, it runs now
+        try:
+            done = self._pages("release")
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            log.warning("the runner of %s could not release its weights (%s); it is unloaded",
+                        self.name, exc)
+            return False
+        return bool(done.get("bytes")) and not done.get("errors")
+
+    def restore_weights(self) -> None:
+        """Warm -> hot: the runner reads its weights' pages back (from the page cache, or the
+        file where the kernel took them), so the first request after does not fault them in.
+        Raises RunnerGone if the runner died while warm: the scheduler loads it anew."""
+        if self.dead():
+            raise self._gone(None)
+        try:
+            self._pages("restore")
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise self._gone(exc) from exc
+
+    def _pages(self, action: str) -> dict[str, Any]:
+        conn = _UnixHTTP(str(self._socket), timeout=PAGES_TIMEOUT_S)
+        try:
+            response = self._send(conn, "/packserve/pages", {"action": action})
+            data = _json(response.read())
+            if response.status != 200:
+                raise ValueError(f"{response.status}: {data.get('error')}")
+            return data
+        finally:
+            conn.close()
 
     def weight_bytes(self) -> int:
         """The runner's resident set: its weights' pages, its KV cache and buffers, and its

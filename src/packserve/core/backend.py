@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from packserve.errors import TaskNotSupported
 from packserve.types import Task
@@ -196,6 +196,9 @@ class Backend:
 
     spec: LoadSpec
     name: str = field(default="backend", init=False)
+    # The memory is another process's (a runner's): `weight_bytes()` is all of it, then and
+    # after a `release_weights()`; the serving process's own growth or fall says nothing.
+    out_of_process: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         """Subclasses set up per-instance state here (locks, names); no I/O."""

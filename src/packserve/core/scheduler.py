@@ -1112,6 +1112,8 @@ class Scheduler:
             return None
         if not kept:
             return None
+        if backend.out_of_process:  # a runner: what its process still holds, all of it
+            return min(res.bytes, backend.weight_bytes())
         self._probe.release(device)
         freed = before - self._probe.used_bytes(device)
         # Weights mapped from their file count in its bytes whether read or not, and pages never
