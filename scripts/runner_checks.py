@@ -30,13 +30,22 @@ from pathlib import Path
 
 from packserve import backends
 from packserve.backends.llama_server import LlamaServerBackend
-from packserve.config import load_config
+from packserve.config import ModelSpec, load_config
 from packserve.core.backend import GenerationParams, Message
 from packserve.sources import resolve_source
 
 PROMPTS = ["Count from 2 to 7.", "Name three colours.", "What is the capital of France?",
            "Write a haiku about rain.", "Explain gravity in one sentence.", "List four fruits.",
            "Say hello in Spanish.", "What is 12 times 3?"]
+
+
+def catalog_weights(name: str, folder: Path) -> tuple[ModelSpec, Path]:
+    """A default-catalog entry and the file its engine serves (MiniLM converted to GGUF)."""
+    spec = next(m for m in load_config(None).models if m.name == name)
+    path = resolve_source(spec.source, base_dir=folder, models_dir=folder / "models",
+                          roots=None)
+    convert = backends.get(spec.backend).convert
+    return spec, convert(path, folder / "models", None) if convert is not None else path
 
 
 def runner(per_slot: bool = False, parallel: int = 4, threads: int = 0) -> LlamaServerBackend:
@@ -127,12 +136,7 @@ def start() -> None:
 
     folder = Path(tempfile.mkdtemp())
     for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
-        spec = next(m for m in load_config(None).models if m.name == name)
-        path = resolve_source(spec.source, base_dir=folder, models_dir=folder / "models",
-                              roots=None)
-        engine = backends.get(spec.backend)
-        if engine.convert is not None:
-            path = engine.convert(path, folder / "models", None)
+        spec, path = catalog_weights(name, folder)
         mode = ["--embeddings", "--ctx-size", "1024"] if "embed" in spec.backend else \
             ["--ctx-size", "2048", "--kv-unified", "--jinja", "--cache-ram", "0"]
         for fit in ("on", "off"):
@@ -170,11 +174,8 @@ def embed() -> None:
     from packserve.bench.common import sentences
 
     folder = Path(tempfile.mkdtemp())
-    spec = next(m for m in load_config(None).models if m.name == "all-minilm-l6-v2")
+    spec, path = catalog_weights("all-minilm-l6-v2", folder)
     engine = backends.get(spec.backend)
-    assert engine.convert is not None
-    path = engine.convert(resolve_source(spec.source, base_dir=folder, models_dir=folder,
-                                         roots=None), folder, None)
     backend = engine.build(engine.load_spec(path, "cpu", 256, 64, {}))
     backend.load()
     try:
@@ -203,12 +204,8 @@ def warm() -> None:
 
     folder = Path(tempfile.mkdtemp())
     for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
-        spec = next(m for m in load_config(None).models if m.name == name)
-        path = resolve_source(spec.source, base_dir=folder, models_dir=folder / "models",
-                              roots=None)
+        spec, path = catalog_weights(name, folder)
         engine = backends.get(spec.backend)
-        if engine.convert is not None:
-            path = engine.convert(path, folder / "models", None)
         starts, releases, restores, hot, warm_bytes = [], [], [], [], []
         for _ in range(3):
             backend = engine.build(engine.load_spec(path, "cpu", spec.context_length or 2048,

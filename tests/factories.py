@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import httpx
 import uvicorn
 
+from packserve import backends
 from packserve.api.app import create_app
 from packserve.backends import check_weights
 from packserve.backends.fake import FakeBackend, FakeControl, held_bytes
@@ -60,11 +61,16 @@ def default_config(data_dir: Path, **overrides: object) -> Config:
     })
 
 
-def catalog_path(name: str, tmp: Path) -> Path:
+def catalog_path(name: str, tmp: Path, *, converted: bool = False) -> Path:
     """The weights file of the default catalog's entry `name`, resolved as the server would
-    (an assembled GGUF lands under `tmp`)."""
+    (an assembled GGUF lands under `tmp`); with `converted`, what its engine serves from it
+    (MiniLM's safetensors folder converted to the GGUF its runner reads)."""
     spec = next(m for m in load_config(None).models if m.name == name)
-    return resolve_source(spec.source, base_dir=tmp, models_dir=tmp / "models", roots=None)
+    path = resolve_source(spec.source, base_dir=tmp, models_dir=tmp / "models", roots=None)
+    engine = backends.get(spec.backend)
+    if converted and engine.convert is not None:  # MiniLM's folder -> the GGUF its runner reads
+        path = engine.convert(path, tmp / "models", None)
+    return path
 
 
 # ----------------------------------------- servers in this process (a real uvicorn on a free port)

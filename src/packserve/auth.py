@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from packserve import atomic
 from packserve.errors import ConfigError, RateLimited
 
 log = logging.getLogger("packserve.auth")
@@ -239,11 +240,7 @@ def revoke(path: Path, name: str) -> None:
                           f"{', '.join(k.name for k in keys) or 'none'})")
     text = "# packserve API keys: digests only (packserve keys create|list|revoke)\n" + "".join(
         _block(k) for k in keys if k.name != name)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    atomic.write_text(path, text, mode=0o600)
 
 
 def _toml_string(s: str) -> str:

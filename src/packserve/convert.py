@@ -25,12 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from packserve import atomic
 from packserve.errors import ConfigError
 
 log = logging.getLogger("packserve.convert")
@@ -84,16 +83,8 @@ def gguf_for(folder: Path, models_dir: Path, announce: Announce = None) -> Path:
     log.info("%s", message)
     if announce is not None:
         announce(message)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(dir=models_dir, prefix=f".{target.name}.",
-                                       suffix=".partial")
-    os.close(handle)
-    try:
-        write(folder, Path(partial))
-        os.replace(partial, target)
-    except BaseException:
-        Path(partial).unlink(missing_ok=True)
-        raise
+    with atomic.replacing(target, suffix=".partial") as partial:
+        write(folder, partial)
     return target.resolve()
 
 

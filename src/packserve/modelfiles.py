@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
 
+from packserve import atomic
 from packserve.errors import ConfigError
 
 
@@ -139,10 +139,7 @@ def read_facts_cached(path: Path, cache_file: Path) -> ModelFacts:
         return ModelFacts(**{**fields, "path": path})  # type: ignore[arg-type]
     facts = read_facts(path)
     cache[str(path)] = {**dataclasses.asdict(facts), "path": str(path), "stamp": stamp}
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True), "utf-8")
-    os.replace(tmp, cache_file)
+    atomic.write_text(cache_file, json.dumps(cache, indent=1, sort_keys=True))
     return facts
 
 

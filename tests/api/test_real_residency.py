@@ -68,6 +68,14 @@ def _tight(models_dir: Path, smollm2_backend: str, minilm_backend: str,
             "smollm2") else minilm_backend}) for m in config.models]})
 
 
+def _within(c: httpx.Client, capacity: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST `body`: its 200 answer, the device still within its budget after it."""
+    r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert c.get("/v1/residency").json()["devices"][0]["used_bytes"] <= capacity
+    return dict(r.json())
+
+
 @pytest.mark.parametrize("warm_tier", [True, False])
 def test_evicted_runners_wait_warm_and_come_back_with_the_same_answers(
         models_dir: Path, warm_tier: bool) -> None:
@@ -83,10 +91,7 @@ def test_evicted_runners_wait_warm_and_come_back_with_the_same_answers(
         capacity = server.scheduler.devices()[0].budget_bytes
 
         def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            r = c.post(path, json=body)
-            assert r.status_code == 200, r.text
-            assert c.get("/v1/residency").json()["devices"][0]["used_bytes"] <= capacity
-            return dict(r.json())
+            return _within(c, capacity, path, body)
 
         first = call("/v1/chat/completions", chat)
         vector = call("/v1/embeddings", embed)["data"][0]["embedding"]
@@ -120,10 +125,7 @@ def test_evicted_models_wait_warm_and_come_back_with_the_same_answers(models_dir
         capacity = server.scheduler.devices()[0].budget_bytes
 
         def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            r = c.post(path, json=body)
-            assert r.status_code == 200, r.text
-            assert c.get("/v1/residency").json()["devices"][0]["used_bytes"] <= capacity
-            return dict(r.json())
+            return _within(c, capacity, path, body)
 
         def row(name: str) -> dict[str, Any]:
             models = c.get("/v1/residency").json()["models"]

@@ -17,6 +17,7 @@ from packserve.config import load_config
 from packserve.core.backend import Backend, GenerationParams, Message
 from packserve.core.memory import SystemProbe
 from packserve.sources import resolve_source
+from tests.factories import catalog_path
 
 pytestmark = pytest.mark.real
 
@@ -99,14 +100,9 @@ def test_a_warm_model_can_be_unloaded_without_a_restore(tmp_path: Path) -> None:
 
 def _runner(tmp_path: Path, name: str) -> _RunnerProcess:
     """The default catalog's runner of `name`, loaded."""
-    spec = next(m for m in load_config(None).models if m.name == name)
-    path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
-                          roots=None)
-    engine = backends.get(spec.backend)
-    if engine.convert is not None:
-        path = engine.convert(path, tmp_path / "models", None)
-    backend = engine.build(engine.load_spec(path, "cpu", 256 if "embed" in spec.backend
-                                            else 1024, 64, {}))
+    engine = backends.get(next(m for m in load_config(None).models if m.name == name).backend)
+    backend = engine.build(engine.load_spec(catalog_path(name, tmp_path, converted=True), "cpu",
+                                            256 if engine.convert else 1024, 64, {}))
     assert isinstance(backend, _RunnerProcess)
     backend.load()
     return backend

@@ -37,6 +37,10 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
         assert {"switch_p50_ms", "switch_p90_ms"} <= set(ratios)
         switching = data["results"]["router"]["switching"]
         assert switching["requests"] >= 3 and switching["packserve_evictions"] >= 1
+        # where the switches went, from the server's own events: every model came back
+        profile = switching["profile"]["seconds"]
+        assert {"all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"} <= set(profile)
+        assert all(k.get("from cold") or k.get("from warm") for k in profile.values())
     assert data["goals"], "every scenario reports ratios against goals"
     for goal in data["goals"]:
         assert goal["op"] in (">=", "<=")

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from packserve.front.upstream import Pool, UpstreamError, request
+from packserve.front.upstream import UpstreamError, WorkerConnections, request
 from tests.factories import fake_config, serve_process
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-POOLS: list[Pool] = []
+POOLS: list[WorkerConnections] = []
 
 
-def pool_of(sock: str, **kwargs: Any) -> Pool:
+def pool_of(sock: str, **kwargs: Any) -> WorkerConnections:
     """A pool that `run` closes at the end."""
-    POOLS.append(Pool(sock, **kwargs))
+    POOLS.append(WorkerConnections(sock, **kwargs))
     return POOLS[-1]
 
 
@@ -146,7 +146,7 @@ def test_a_connection_that_ends_early_or_garbled_is_an_upstream_error(
 
 def test_no_worker_listening_is_an_upstream_error(tmp_path: Path) -> None:
     async def main() -> None:
-        await request(Pool(str(tmp_path / "gone.sock")), "GET", b"/", [], b"")
+        await request(WorkerConnections(str(tmp_path / "gone.sock")), "GET", b"/", [], b"")
 
     with pytest.raises(UpstreamError, match="cannot connect"):
         asyncio.run(main())
@@ -203,7 +203,7 @@ def serving(answers: list[bytes], connections: list[int]) -> Handler:
     return handler
 
 
-async def fetch(pool: Pool) -> bytes:
+async def fetch(pool: WorkerConnections) -> bytes:
     up = await request(pool, "POST", b"/x", [], b"{}")
     try:
         return await up.read()
@@ -271,7 +271,7 @@ def test_an_idle_connection_is_dropped_before_the_worker_would_drop_it(tmp_path:
 
     assert run(tmp_path, serving([OK] * 3, connections), client) == 2
     assert connections == [2, 1]
-    assert Pool("x")._idle_s < KEEP_ALIVE_S / 2
+    assert WorkerConnections("x")._idle_s < KEEP_ALIVE_S / 2
 
 
 def test_a_closed_pool_keeps_nothing(tmp_path: Path) -> None:

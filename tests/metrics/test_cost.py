@@ -15,8 +15,8 @@ class Clock:
         return self.now
 
 
-def test_readme_worked_example() -> None:
-    # README "Cost per million tokens": 3.60 EUR/h is 0.001 EUR per device-second.
+def test_the_worked_example_of_the_docs() -> None:
+    # docs/operations.md "Cost per million tokens": 3.60 EUR/h is 0.001 EUR per device-second.
     # t=0-4 s: one request of A; t=2-6 s: one request of B; t=6-10 s: idle.
     clock = Clock()
     meter = CostMeter({"cuda:0": 3.60}, clock)

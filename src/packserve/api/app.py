@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from packserve.api.access import Authenticate, OperatorViews
-from packserve.api.asgi import CLIENT_CLOSED, BodyLimit, CancelOnDisconnect, RequestId
+from packserve.api.asgi import BodyLimit, CancelOnDisconnect, RequestId
 from packserve.api.batching import Batchers
 from packserve.api.errors import add_error_handlers
 from packserve.api.openapi import install as install_openapi
@@ -23,6 +23,7 @@ from packserve.api.services import Services
 from packserve.auth import KeyRing
 from packserve.config import SloConfig
 from packserve.core.compute import Gates
+from packserve.core.events import CLIENT_CLOSED
 from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry
 

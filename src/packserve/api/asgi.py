@@ -24,9 +24,6 @@ REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID: ContextVar[str] = ContextVar("packserve_request_id", default="")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
 
-# What a request cut short by its own client is counted as (nginx's convention; no response is
-# sent). Distinct from 500 so that dashboards do not page on impatient clients.
-CLIENT_CLOSED = 499
 
 
 def error_body(message: str, type_: str, param: str | None = None,

@@ -23,7 +23,7 @@ from packserve.core.compute import TICKET, Ticket
 # The fewest inputs worth a second pass beside a running one. MiniLM on one torch thread of the
 # build machine (by hand, in one process): 20 ms of CPU per sentence alone, 10.8 in passes of 4,
 # 8.7 in passes of 8; beside another pass with every waiting request taken at once, 16
-# single-sentence clients made passes of 3 (docs/benchmarks.md, embedding passes).
+# single-sentence clients made passes of 3 (docs/tuning.md, embedding passes).
 _BESIDE = 8
 
 # Told of each forward pass: the model named by its first request, and its inputs.

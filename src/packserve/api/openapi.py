@@ -45,7 +45,7 @@ Catalog = Sequence[tuple[str, Sequence[Task]]]
 _REF = "#/components/schemas/{model}"
 _ERROR = "Error"
 
-# What each error status means, per kind of route (see README, Endpoints).
+# What each error status means, per kind of route (see docs/api.md).
 _MODEL_ERRORS = {
     "400": "malformed or out-of-range input, a value of the wrong JSON type, or a task the model "
            "lacks",

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from packserve.backends.llama_batch import BatchDecoder, Job
+from packserve.backends.llama_batch import PROMPT_SLICE, BatchDecoder, Job
 from packserve.core.backend import (
     Alternative,
     Backend,
@@ -59,9 +59,6 @@ from packserve.modelfiles import ModelFacts, file_identity
 from packserve.planner.sizing import Breakdown, llama_cpp_breakdown
 from packserve.types import Task
 
-# A prompt is read this many tokens at a time, so that a more urgent call (an embedding) waits
-# for one slice of somebody else's prompt, not the whole of it (core.compute).
-PROMPT_SLICE = 32
 DEFAULT_CONTEXT = 2048  # tokens of KV cache unless the entry or the model asks for fewer
 
 # JSON strings may not hold raw control characters; llama.cpp's schema converter allows them,
@@ -110,11 +107,11 @@ class LlamaCppBackend(Backend):
                               f"llama-cpp-python was built without GPU support")
         slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
         threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
-        # A prompt is read on every core (llama-cpp-python's default; docs/benchmarks.md,
+        # A prompt is read on every core (llama-cpp-python's default; docs/tuning.md,
         # "Prompts on every core"), the compute gate lending the call that many for
         # each slice it reads (`_sliced`). With parallel slots every step is several tokens
         # long: every core helped four streams on a quiet 2-core box but hurt them while
-        # another process held a core (docs/benchmarks.md, parallel decode), so there, and
+        # another process held a core (docs/tuning.md, parallel decode), so there, and
         # where the operator sets `threads`, steps of several tokens run `threads` too.
         batch_threads = threads if self.spec.threads or slots > 1 else max(threads,
                                                                             usable_cores())
@@ -626,7 +623,7 @@ def _gguf(path: Path) -> str | None:
 
 # Sequences decoded together unless the entry sets `parallel`: one, so far. On the 2-core build
 # machine four slots made four concurrent chats 1.15x one stream (the goal is 2x), and a shared
-# cache lets greedy answers drift with their neighbours (docs/benchmarks.md, parallel decode);
+# cache lets greedy answers drift with their neighbours (docs/tuning.md, parallel decode);
 # an operator opts in per model until a machine with more cores, or a GPU, says otherwise.
 DEFAULT_PARALLEL = 1
 

@@ -63,7 +63,10 @@ from typing import Any, Protocol
 from packserve.core.backend import Generated, OnText, TokenLogprob
 from packserve.core.compute import Ticket, batch_turn, token_made
 
-PROMPT_SLICE = 32  # prompt tokens one sequence reads per step (llama.py reads serial ones so)
+# A prompt is read this many tokens at a time (per sequence, per step here; llama.py's serial
+# path likewise), so that a more urgent call (an embedding) waits for one slice of somebody
+# else's prompt, not the whole of it (core.compute).
+PROMPT_SLICE = 32
 SAMPLE_TOP_K = 40  # llama-cpp-python's defaults for create_completion / create_chat_completion
 SAMPLE_MIN_P = 0.05
 PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size

@@ -248,6 +248,9 @@ class _RunnerProcess(Backend):
     _dir: Path | None = None
     n_vocab: int = 0
     out_of_process = True
+    # A restore reads the weights' pages back from the page cache: 2.5-17 ms against 0.11-0.85
+    # s for a new runner (`scripts/runner_checks.py warm`, docs/engines.md), at most 5%.
+    restore_share = 0.05
 
     _unloaded: bool = False
     _restarted_at: float = -math.inf

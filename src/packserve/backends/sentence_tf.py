@@ -38,7 +38,7 @@ _MIN_SHARD = 4
 # A CPU bi-encoder's passes run through its encoder traced into a TorchScript graph once one
 # is built and checked (`_traced_encoder`): the graph runs without Python between operators,
 # so a pass holds the GIL only to start, and neither the event loop's work nor the other
-# passes wait on it (docs/benchmarks.md, "Embedding passes through a traced encoder"). These
+# passes wait on it (docs/tuning.md, "Embedding passes through a traced encoder"). These
 # are the inputs the graph takes; a tokenizer that gives others keeps the eager passes.
 _GRAPH_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # The batches a traced encoder must embed as the eager model does (within 1e-5) before any
@@ -195,7 +195,7 @@ class _TorchBackend(Backend):
         (`embed_passes`), and then each takes fewer shards, so that every core runs one. A
         small model gains more from that than from torch's own threads in one pass, whose
         workers wait for each other at every operator (`scripts/compare_embeddings.py`;
-        docs/benchmarks.md, "Embedding passes on one thread each"). The shards are cut from
+        docs/tuning.md, "Embedding passes on one thread each"). The shards are cut from
         the texts sorted by length, as `encode` sorts its batches, and tokenized under the
         lock: the tokenizer's padding setting is shared state (see __post_init__). Only the
         forward passes run outside it."""

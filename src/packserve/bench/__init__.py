@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every scenario at a tiny size (seconds, not minutes)")
     parser.add_argument("--out", default="bench/results", help="results folder (JSON, PNG)")
     parser.add_argument("--docs", help="Markdown file the results table is appended to "
-                        "(default docs/benchmarks.md; with --quick, OUT/benchmarks.md)")
+                        "(default OUT/benchmarks.md, beside the JSON; docs/benchmarks.md "
+                        "holds the current results, edited by hand)")
     parser.add_argument("--data-dir", default="~/.cache/packserve",
                         help="packserve data dir for the servers it starts (assembled GGUFs)")
     parser.add_argument("--peers-dir", default=".venv-peers",
@@ -73,8 +74,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from packserve.bench.report import append_markdown
 
     out = Path(args.out)
-    docs = Path(args.docs) if args.docs else (out / "benchmarks.md" if args.quick
-                                               else Path("docs/benchmarks.md"))
+    docs = Path(args.docs) if args.docs else out / "benchmarks.md"
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",

@@ -335,3 +335,16 @@ def loaded_files(name: str, opts: Options) -> list[Path]:
         if backend.startswith("llama") and convertible(path) is None:
             path = gguf_for(path, opts.data_dir / "models")
     return model_files(path)
+
+
+def logged_events(log: Path, offset: int = 0) -> Iterator[dict[str, Any]]:
+    """The JSON events (`packserve.events`: load, evict, failure, request) a server logged to
+    `log` at `log_level = "info"`, from byte `offset` on."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        for raw in f:
+            line = raw.decode(errors="replace")
+            if '"kind"' not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                yield dict(json.loads(line[line.index("{"):]))

@@ -42,6 +42,7 @@ from packserve.bench.common import (
     Options,
     Report,
     Server,
+    logged_events,
     median,
     model_path,
     packserve_argv,
@@ -250,6 +251,7 @@ def _versus_router(opts: Options, ps: Server, rounds: int,
         out["ratios"]["switch_p50_ms"] = out["switching"]["ratio_p50"]
         out["ratios"]["switch_p90_ms"] = out["switching"]["ratio_p90"]
         out["tables"].append(out["switching"]["table"])
+        out["tables"].append(out["switching"]["profile"]["table"])
     return out
 
 
@@ -267,16 +269,18 @@ def _switching(opts: Options, server: Path, preset: Path, rounds: int, cycles: i
     this budget MiniLM fits beside SmolLM2, so a chat after an embedding may keep it)."""
     work = opts.out / "work"
     config = write_config(work / "peers-switch.toml", opts, memory_budget=SWITCH_BUDGET,
-                          headroom="0")
+                          headroom="0", log_level="info")  # its events: where a switch goes
+    log = work / "peers-switch-packserve.log"
     lat: dict[str, list[float]] = {side: [] for side in SIDES}
     with run_server(packserve_argv("--config", str(config), "--models",
                                    f"{EMBED_MODEL},{CHAT_MODEL},{COMPLETE_MODEL}"),
-                    log=work / "peers-switch-packserve.log") as ps, \
+                    log=log) as ps, \
             run_server(router.argv(server, preset, work / "llama-cache-switch", models_max=1),
                        health="/health", log=work / "peers-switch-router.log") as rs:
         clients = {"packserve": _client(ps.url), "router": _client(rs.url)}
         for side in SIDES:  # first loads (and MiniLM's conversion) out of the figures
             _on(side, _mixed_cycle, clients[side], sentences(3, words=16, seed=9), 8)
+        measured_from = log.stat().st_size
         for r in range(rounds):
             texts = sentences(3 * cycles, words=16, seed=4000 + r)
             for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
@@ -297,11 +301,37 @@ def _switching(opts: Options, server: Path, preset: Path, rounds: int, cycles: i
          pct["packserve"][0.5], None, pct["router"][0.5], None, _x(r50)],
         ["every request switches model: p90 (ms)", pct["packserve"][0.9], None,
          pct["router"][0.9], None, _x(r90)]]
+    profile = _switch_profile(log, measured_from)
     return {"budget": SWITCH_BUDGET, "router_models_max": 1, "requests": len(lat["packserve"]),
             "packserve_evictions": evictions, "latency_ms": lat, "quantiles_ms": pct,
-            "ratio_p50": r50, "ratio_p90": r90,
+            "ratio_p50": r50, "ratio_p90": r90, "profile": profile,
             "table": {"columns": ["row", "packserve", "", ROUTER + " (--models-max 1)", "",
                                   "packserve / router"], "rows": rows}}
+
+
+def _switch_profile(log: Path, offset: int) -> dict[str, Any]:
+    """Where packserve's switches went, from its event log over the rounds: per model, how
+    many times it came from cold and from warm and their median seconds, and how many times it
+    left to warm and to cold and their median seconds."""
+    rows: list[list[object]] = []
+    by_model: dict[str, dict[str, list[float]]] = {}
+    for e in logged_events(log, offset):
+        if e.get("kind") == "load":
+            kind = f"from {e.get('tier_from')}"
+        elif e.get("kind") == "evict":
+            kind = f"to {e.get('tier_to')}"
+        else:
+            continue
+        model = str(e.get("model")).split("+")[0]
+        by_model.setdefault(model, {}).setdefault(kind, []).append(float(e["seconds"]))
+    for model, kinds in sorted(by_model.items()):
+        rows.append([model] + [cell for kind in ("from cold", "from warm", "to warm", "to cold")
+                               for cell in (len(kinds.get(kind, [])),
+                                            median(kinds[kind]) if kind in kinds else None)])
+    return {"seconds": by_model, "table": {
+        "columns": ["model", "loads from cold", "median s", "restores from warm", "median s",
+                    "evictions to warm", "median s", "evictions to cold", "median s"],
+        "rows": rows}}
 
 
 def _quantile(values: list[float], q: float) -> float | None:

@@ -27,7 +27,6 @@ memory, descriptors and threads, and answer every request it accepted without a 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 import threading
@@ -48,6 +47,7 @@ from packserve.bench.common import (
     Options,
     Report,
     Server,
+    logged_events,
     packserve_argv,
     progress,
     request_body,
@@ -194,16 +194,9 @@ def client_loop(server: Server, key: str, client: Client, seed: int,
 def residency_events(log: Path, offset: int) -> Counter[str]:
     """Counts of the event log's kinds (load, evict, failure, request >= 499) since `offset`."""
     kinds: Counter[str] = Counter()
-    with log.open("rb") as f:
-        f.seek(offset)
-        for raw in f:
-            line = raw.decode(errors="replace")
-            if '"kind"' not in line:
-                continue
-            with contextlib.suppress(ValueError):
-                event = json.loads(line[line.index("{"):])
-                kind = str(event.get("kind"))
-                kinds[kind if kind != "request" else f"request {event.get('status')}"] += 1
+    for event in logged_events(log, offset):
+        kind = str(event.get("kind"))
+        kinds[kind if kind != "request" else f"request {event.get('status')}"] += 1
     return kinds
 
 

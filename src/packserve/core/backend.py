@@ -199,6 +199,9 @@ class Backend:
     # The memory is another process's (a runner's): `weight_bytes()` is all of it, then and
     # after a `release_weights()`; the serving process's own growth or fall says nothing.
     out_of_process: ClassVar[bool] = False
+    # Until a restore from warm is measured, the victim policy expects one to take this share
+    # of a load's seconds; None: as long as a whole load (an engine that reads its weights).
+    restore_share: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         """Subclasses set up per-instance state here (locks, names); no I/O."""

@@ -106,7 +106,9 @@ EventSink = Callable[[Event], None]
 
 _event_log = logging.getLogger("packserve.events")
 
-CLIENT_CLOSED = 499  # nginx's code for a request whose client went away; not an HTTP status
+# What a request cut short by its own client is counted as (nginx's convention; no response is
+# sent). Distinct from 500 so that dashboards do not page on impatient clients.
+CLIENT_CLOSED = 499
 
 
 def log_event(event: Event) -> None:

@@ -53,7 +53,6 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import threading
 import time
 from collections import deque
@@ -71,6 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from packserve import atomic
 from packserve.config import ModelSpec
 from packserve.core.backend import Backend, BackendFactory, LoadSpec, Runner
 from packserve.core.events import (
@@ -394,17 +394,7 @@ class FootprintStore:
 
     @staticmethod
     def _write(path: Path, text: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A tmp file of its own: another process (a restarted worker) may be writing too.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic.write_text(path, text)  # another process (a restarted worker) may write too
 
 
 def _size_of(path: Path) -> int:
@@ -1581,8 +1571,16 @@ class Scheduler:
             models=tuple(res.models), reload_s=res.load_seconds or 0.0,
             rate_per_s=arrival_rate(res.arrivals, self._clock()),
             goes_warm=self._goes_warm(res), keeps_bytes=res.warm_bytes,
-            restore_s=res.restore_seconds or 0.0,
+            restore_s=res.restore_seconds or self._expected_restore(res),
             warm_bytes=res.warm_bytes if res.warm is not None else 0)
+
+    @staticmethod
+    def _expected_restore(res: _Resident) -> float:
+        """A restore's seconds before one was measured: the engine's declared share of its
+        load's, or 0.0 (unknown: the policy counts a whole load)."""
+        backend = res.backend or res.warm
+        share = backend.restore_share if backend is not None else None
+        return share * (res.load_seconds or 0.0) if share else 0.0
 
     def _admission(self, res: _Resident) -> Admission:
         device = self._devices[res.load.device]

@@ -111,10 +111,11 @@ class Worker:
     loading: dict[str, int] = field(default_factory=dict)
     pipe_done: asyncio.Event = field(default_factory=asyncio.Event)
     pending: str = ""  # what it said it is busy with before it can serve (first-start work)
-    pool: upstream.Pool = field(init=False)  # kept-alive connections; closed when it dies
+    # kept-alive connections; closed when it dies
+    pool: upstream.WorkerConnections = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pool = upstream.Pool(str(self.socket_path))
+        self.pool = upstream.WorkerConnections(str(self.socket_path))
 
     @property
     def pid(self) -> int:

@@ -1,6 +1,6 @@
 """The front's client for relaying requests to its worker: HTTP/1.1 over the worker's Unix
-socket, connections kept alive in a `Pool` per worker, responses parsed by httptools (uvicorn's
-own parser).
+socket, connections kept alive in a `WorkerConnections` per worker, responses parsed by
+httptools (uvicorn's own parser).
 
 Why not httpx: relaying a small request through httpx's AsyncClient cost the front several
 times the CPU of this, on the same cores the worker's engines need (`packserve bench overhead`
@@ -12,7 +12,7 @@ decoding: a request line, headers, a body, and a response read as it comes.
 
 Kept-alive connections: opening and closing a connection for each relayed request took 18% of
 the front's samples under 16 single-sentence clients (`packserve bench overhead --profile`,
-docs/benchmarks.md), and the worker paid for it too. A connection goes back to its pool only
+bench/results/history.md), and the worker paid for it too. A connection goes back to its pool only
 after a whole response was read; one whose client left mid-response is closed, so that the
 worker sees its client go. The pool drops a connection idle for `IDLE_S`, well before the
 worker's own keep-alive timeout (`packserve.worker.KEEP_ALIVE_S`), so the worker does not close
@@ -78,7 +78,7 @@ class _Parser:
         self.done = True
 
 
-class Pool:
+class WorkerConnections:
     """The front's connections to one worker's socket: idle ones kept alive for the next
     request, newest first. A worker's pool dies with it (`close`); the next worker has another
     socket and another pool."""
@@ -148,7 +148,7 @@ class Upstream:
     `close` (always call it) gives the connection back to its pool if the response was read
     to its end, else drops it: a worker still generating sees its client go and stops."""
 
-    def __init__(self, pool: Pool, reader: asyncio.StreamReader,
+    def __init__(self, pool: WorkerConnections, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, parser: _Parser,
                  http: httptools.HttpResponseParser, head_only: bool) -> None:
         self._pool = pool
@@ -192,7 +192,7 @@ class Upstream:
             self._writer.close()
 
 
-async def request(pool: Pool, method: str, target: bytes,
+async def request(pool: WorkerConnections, method: str, target: bytes,
                   headers: Sequence[tuple[bytes, bytes]], body: bytes) -> Upstream:
     """Send one request and read the response's head. `target`: the path and query as the
     client sent them (percent-encoded).
@@ -251,7 +251,8 @@ async def _feed(reader: asyncio.StreamReader, http: httptools.HttpResponseParser
 
 
 
-async def call(pool: Pool, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
+async def call(pool: WorkerConnections, method: str, path: str, body: bytes = b""
+               ) -> tuple[int, bytes]:
     """One whole request of the front's own (not a client's): its status and body. Raises
     `UpstreamError`; the caller bounds it with `asyncio.timeout`."""
     headers = [(b"content-type", b"application/json")] if body else []

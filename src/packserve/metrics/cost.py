@@ -1,8 +1,9 @@
 """Cost per million tokens, by attributing device time to the models that use it.
 
-The rule (README, "Cost per million tokens"): while n requests are in flight on a device, each
-holds 1/n of it, so over an interval dt a model with k of those requests is charged k/n x dt
-device-seconds. Time with nothing in flight is idle; it is charged to the mix as a whole.
+The rule (docs/operations.md, "Cost per million tokens"): while n requests are in flight on a
+device, each holds 1/n of it, so over an interval dt a model with k of those requests is
+charged k/n x dt device-seconds. Time with nothing in flight is idle; it is charged to the mix
+as a whole.
 
   model cost  = price_per_hour / 3600 x device_seconds(model)
   model figure = model cost / tokens(model) x 1e6

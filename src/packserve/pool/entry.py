@@ -49,7 +49,7 @@ from packserve.config import Config
 from packserve.errors import RateLimited
 from packserve.front.app import HOP
 from packserve.pool.app import SHARED, groups
-from packserve.pool.node import Relay, Reply
+from packserve.pool.node import Relay, ReplicaReply
 from packserve.pool.router import ROUTERS
 from packserve.pool.routing import idle_copies
 
@@ -110,13 +110,13 @@ class Pool:
                 out.append((g.name, replica, stats))
         return out
 
-    async def send(self, relay: Relay, group: str | None = None) -> Reply:
+    async def send(self, relay: Relay, group: str | None = None) -> ReplicaReply:
         """One unary relay through the router (or to `relay.replica`)."""
         handle = self.handles[group] if group else self.handle_for(relay.model)
         if relay.model:
             handle = handle.options(multiplexed_model_id=relay.model)
         if relay.replica:  # Ray Serve waits for an addressed replica that is gone: bound it
-            reply: Reply = await asyncio.wait_for(handle.relay.remote(relay), ADDRESSED_S)
+            reply: ReplicaReply = await asyncio.wait_for(handle.relay.remote(relay), ADDRESSED_S)
         else:
             reply = await handle.relay.remote(relay)
         return reply
@@ -182,8 +182,8 @@ def create_entry_app(pool: Pool) -> ASGIApp:
             if stream:
                 return await _stream(pool, relay, request.url.path, release)
             reply = await _unary(pool, relay, request.url.path)
-            release.tokens = _tokens(reply.body) if isinstance(reply, Reply) else 0
-            return _response(reply) if isinstance(reply, Reply) else reply
+            release.tokens = _tokens(reply.body) if isinstance(reply, ReplicaReply) else 0
+            return _response(reply) if isinstance(reply, ReplicaReply) else reply
         finally:
             release.done(final=not stream)
 
@@ -370,7 +370,7 @@ class _Release:
             self.pool.limits.release(self.caller, self.tokens)
 
 
-async def _unary(pool: Pool, relay: Relay, path: str) -> Reply | Response:
+async def _unary(pool: Pool, relay: Relay, path: str) -> ReplicaReply | Response:
     retries = pool.config.pool.retries if path in _RETRY_SAFE else 0
     for attempt in range(retries + 1):
         try:
@@ -427,7 +427,7 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
     except BaseException:
         release.done()
         raise
-    assert isinstance(head, Reply)
+    assert isinstance(head, ReplicaReply)
     pool.metrics.requests.labels(model=relay.model, replica=head.replica,
                                  status=str(head.status)).inc()
     if head.node_down:  # a generation is not sent again: its 503 says why
@@ -489,7 +489,7 @@ def _relay(request: Request, body: bytes, model: str, replica: str = "") -> Rela
     return Relay(request.method, target, headers, body, model, replica)
 
 
-def _response(reply: Reply) -> Response:
+def _response(reply: ReplicaReply) -> Response:
     response = Response(reply.body, status_code=reply.status)
     response.raw_headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode()),
                             (b"x-packserve-replica", reply.replica.encode())]

@@ -55,7 +55,7 @@ class Relay:
 
 
 @dataclass(frozen=True)
-class Reply:
+class ReplicaReply:
     """A node's answer (a stream's first item: the body follows as bytes)."""
 
     status: int
@@ -125,7 +125,7 @@ class Node:
 
     # ------------------------------------------------------------------ requests
 
-    async def relay(self, req: Relay) -> Reply:
+    async def relay(self, req: Relay) -> ReplicaReply:
         """Send `req` to the node and return its whole answer."""
         await self._multiplexed(req)
         t0 = time.monotonic()
@@ -135,9 +135,9 @@ class Node:
         except httpx.TransportError as exc:
             return self._down(exc)
         self._served(req.model, time.monotonic() - t0, r.status_code)
-        return Reply(r.status_code, _headers(r), r.content, self.replica)
+        return ReplicaReply(r.status_code, _headers(r), r.content, self.replica)
 
-    def _down(self, exc: Exception) -> Reply:
+    def _down(self, exc: Exception) -> ReplicaReply:
         """The answer when the node does not answer (it exited, or is restarting)."""
         rc = self._proc.poll()
         state = f"exited with {rc}" if rc is not None else "not answering"
@@ -145,10 +145,10 @@ class Node:
             f"the packserve node of pool replica {self.replica} is {state} "
             f"({type(exc).__name__}); Ray Serve replaces a replica whose node exited",
             "model_unavailable", code="node_unavailable")).encode()
-        return Reply(503, ((b"content-type", b"application/json"), (b"retry-after", b"1")),
+        return ReplicaReply(503, ((b"content-type", b"application/json"), (b"retry-after", b"1")),
                      body, self.replica, node_down=True)
 
-    async def relay_stream(self, req: Relay) -> AsyncIterator[Reply | bytes]:
+    async def relay_stream(self, req: Relay) -> AsyncIterator[ReplicaReply | bytes]:
         """Send `req` to the node and yield its answer's head, then its body as it comes."""
         await self._multiplexed(req)
         t0 = time.monotonic()
@@ -160,7 +160,7 @@ class Node:
             yield self._down(exc)
             return
         try:
-            yield Reply(r.status_code, _headers(r), b"", self.replica)
+            yield ReplicaReply(r.status_code, _headers(r), b"", self.replica)
             async for chunk in r.aiter_raw():
                 if chunk:
                     yield chunk

@@ -1,4 +1,4 @@
-"""README's table of request parameters names exactly the fields each route's body takes."""
+"""docs/api.md's table of request parameters names exactly the fields each route's body takes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from packserve.api.schemas import (
     ResponsesRequest,
 )
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 BODIES: dict[str, type[BaseModel]] = {
     "POST /v1/embeddings": EmbeddingRequest, "POST /v1/rerank": RerankRequest,
     "POST /v1/chat/completions": ChatRequest, "POST /v1/completions": CompletionRequest,
@@ -25,7 +25,7 @@ BODIES: dict[str, type[BaseModel]] = {
 
 def table() -> dict[str, set[str]]:
     """Each route of the table (its first name) -> every parameter its row names."""
-    text = README.read_text("utf-8")
+    text = API_DOC.read_text("utf-8")
     start = text.index("| route | parameters |")
     rows: dict[str, set[str]] = {}
     for line in text[start:].splitlines()[2:]:
@@ -37,7 +37,7 @@ def table() -> dict[str, set[str]]:
     return rows
 
 
-def test_the_readme_lists_every_parameter_of_every_route() -> None:
+def test_the_api_doc_lists_every_parameter_of_every_route() -> None:
     rows = table()
     for route, body in BODIES.items():
         fields = {f.alias or name for name, f in body.model_fields.items()}
