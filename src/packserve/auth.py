@@ -148,8 +148,9 @@ class KeyRing:
     never locks everyone out or lets everyone in.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
+        self._clock = clock
         self._lock = threading.Lock()
         self._stamp: tuple[int, int, int] | None = None
         self._checked = 0.0
@@ -165,7 +166,7 @@ class KeyRing:
         """Re-read the file if it changed. True if the keys changed. `strict` (at start):
         a missing or bad file raises ConfigError instead of keeping the old keys."""
         with self._lock:
-            self._checked = time.monotonic()
+            self._checked = self._clock()
             try:
                 st = self.path.stat()
                 stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
@@ -187,7 +188,7 @@ class KeyRing:
 
     def find(self, presented: str) -> Key | None:
         """The key whose digest matches `presented`, compared against every key."""
-        if time.monotonic() - self._checked >= RECHECK_S:
+        if self._clock() - self._checked >= RECHECK_S:
             self.reload()
         wanted = digest(presented)
         found = None

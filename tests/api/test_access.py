@@ -163,10 +163,15 @@ def test_keys_are_added_and_revoked_without_a_restart(
                                 headers=bearer(first)).status_code == 401)
         # a half-written file keeps the keys read before, and is logged, not obeyed
         path.write_text(path.read_text() + "\n[[keys]]\nname = ", "utf-8")
-        time.sleep(auth.RECHECK_S * 1.5)
-        assert c.post("/v1/embeddings", json=body, headers=bearer(second)).status_code == 200
-        assert any("keys file not reloaded" in r.getMessage() and "not valid TOML" in r.getMessage()
-                   for r in caplog.records if r.name == "packserve.auth")
+
+        def refused_to_reload() -> bool:
+            assert c.post("/v1/embeddings", json=body,
+                          headers=bearer(second)).status_code == 200
+            return any("keys file not reloaded" in r.getMessage()
+                       and "not valid TOML" in r.getMessage()
+                       for r in caplog.records if r.name == "packserve.auth")
+
+        wait_for(refused_to_reload)
 
 
 def test_operator_views_can_be_open(tmp_path: Path) -> None:
@@ -218,6 +223,25 @@ def test_keys_cli_prints_the_key_once_and_keeps_only_its_digest(
     assert capsys.readouterr().out.split() == ["team-a", "key", "emb,rerank-*", "-"]
     assert main(["keys", "revoke", "team-a", "--file", str(path)]) == 0
     assert auth.parse_keys(path.read_text(), str(path)) == ()
+
+
+def test_the_key_ring_rereads_its_file_once_per_recheck_and_keeps_good_keys(
+        tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    first = auth.mint(path, "first", ["*"], admin=False)
+    now = [100.0]
+    ring = auth.KeyRing(path, clock=lambda: now[0])
+    second = auth.mint(path, "second", ["*"], admin=False)
+    assert ring.find(second) is None  # within RECHECK_S of the last read: not looked at
+    now[0] += auth.RECHECK_S
+    assert ring.find(second) is not None and ring.find(first) is not None
+    path.write_text(path.read_text() + "\n[[keys]]\nname = ", "utf-8")  # half written
+    now[0] += auth.RECHECK_S
+    assert ring.find(first) is not None and ring.find(second) is not None
+    assert ring.error is not None and "not valid TOML" in ring.error
+    path.write_text("", "utf-8")  # every key revoked
+    now[0] += auth.RECHECK_S
+    assert ring.find(first) is None and ring.error is None
 
 
 @pytest.mark.parametrize(("text", "problem"), [

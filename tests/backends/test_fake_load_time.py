@@ -12,7 +12,10 @@ import pytest
 from packserve.backends.fake import ENGINE, FakeBackend, declared_bytes, declared_load_s
 from packserve.core.backend import LoadSpec
 from packserve.types import State
-from tests.factories import MIB, entry, harness, run, use
+from tests.factories import MIB, TIMEOUT, entry, harness, use
+
+# Coroutine tests run on asyncio through anyio's pytest plugin, each bounded in time.
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(4 * TIMEOUT)]
 
 
 def spec(source: str) -> LoadSpec:
@@ -39,16 +42,13 @@ def test_the_size_is_parsed_before_the_options() -> None:
         declared_load_s(spec("fake:64MiB?load_seconds=1"))
 
 
-def test_the_scheduler_sees_the_declared_bytes_and_waits_out_the_load() -> None:
-    async def body() -> None:
-        e = entry("slow", 16)
-        h = harness([replace(e, load=replace(e.load, path=Path("fake:16MiB?load_s=0.2")))],
-                    budget_mib=64, real_clock=True)
-        t0 = time.monotonic()
-        await use(h.scheduler, "slow")
-        assert time.monotonic() - t0 >= 0.2
-        assert h.state("slow") is State.HOT
-        assert h.status("slow").bytes_measured == 16 * MIB
-        await h.scheduler.close()
-
-    run(body())
+async def test_the_scheduler_sees_the_declared_bytes_and_waits_out_the_load() -> None:
+    e = entry("slow", 16)
+    h = harness([replace(e, load=replace(e.load, path=Path("fake:16MiB?load_s=0.2")))],
+                budget_mib=64, real_clock=True)
+    t0 = time.monotonic()
+    await use(h.scheduler, "slow")
+    assert time.monotonic() - t0 >= 0.2
+    assert h.state("slow") is State.HOT
+    assert h.status("slow").bytes_measured == 16 * MIB
+    await h.scheduler.close()

@@ -2,7 +2,7 @@
 
 - open: `/healthz` (also as `/health`), `/readyz`.
 - any key: the OpenAI and rerank routes, `/v1/models`; a model route also checks the key's
-  scope (`Services.lease`), and a model outside it is "does not exist or you have no access".
+  scope (`Services.call`), and a model outside it is "does not exist or you have no access".
 - admin key: load, unload, offload, pin, unpin, reload.
 - the read-only operator views (`/`, `/metrics`, `/v1/metrics/summary`, `/v1/residency`, the
   dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`) are open or admin by

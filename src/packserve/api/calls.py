@@ -42,7 +42,7 @@ Plain = Callable[[Runner, bool], Wire | None]
 
 
 class Call:
-    """A request's use of its lease; made by `Services.lease`."""
+    """A request's use of its lease; made by `Services.call`."""
 
     def __init__(self, lease: Lease, batchers: Batchers) -> None:
         self._lease = lease

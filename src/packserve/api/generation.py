@@ -186,7 +186,7 @@ async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Gene
     if stream:
         assert len(jobs) == 1, "a stream has one choice"
         return await _streamed(s, reply, task, jobs[0], inputs, check, include_usage, plain)
-    async with s.lease(reply.model, task, inputs) as call:
+    async with s.call(reply.model, task, inputs) as call:
         wire = call.wire(plain, stream=False) if plain is not None and len(jobs) == 1 else None
         if wire is not None:
             with contextlib.suppress(relay.Unreachable):  # then the engine's own way, below
@@ -231,7 +231,7 @@ async def event_stream(events: AsyncIterator[str | bytes]) -> StreamingResponse:
 async def _events(s: Services, reply: Completion, task: Task, job: Generate,
                   inputs: Inputs | None, check: Check | None, include_usage: bool,
                   plain: Plain | None) -> AsyncIterator[str | bytes]:
-    async with s.lease(reply.model, task, inputs) as call:
+    async with s.call(reply.model, task, inputs) as call:
         wire = call.wire(plain, stream=True) if plain is not None else None
         # Each inner generator is closed here, inside the lease, however the stream ends.
         if wire is not None:

@@ -4,7 +4,7 @@ server-sent events of typed, numbered events, as OpenAI streams them.
 
 A response is `completed`, or `incomplete` when generation stopped at its token limit; a stream
 that fails after it started ends with an `error` event and `response.failed`. The lease is held
-exactly as chat holds it (`Services.lease` with Task.CHAT), so quotas, metrics and errors are
+exactly as chat holds it (`Services.call` with Task.CHAT), so quotas, metrics and errors are
 chat's.
 """
 
@@ -101,7 +101,7 @@ def status_of(out: Generated) -> Status:
 async def answer(s: Services, reply: Reply, job: Generate, inputs: Inputs, check: Check
                  ) -> dict[str, Any]:
     """Run `job` on a chat lease of `reply.model` and answer with the whole response."""
-    async with s.lease(reply.model, Task.CHAT, inputs) as call:
+    async with s.call(reply.model, Task.CHAT, inputs) as call:
         out = await call.generate(job)
     # Off the loop: a schema's `pattern` can backtrack for seconds on hostile output.
     await asyncio.to_thread(check, out)
@@ -117,7 +117,7 @@ async def stream(s: Services, reply: Reply, job: Generate, inputs: Inputs, check
 
 async def _events(s: Services, reply: Reply, job: Generate, inputs: Inputs, check: Check
                   ) -> AsyncIterator[str]:
-    async with s.lease(reply.model, Task.CHAT, inputs) as call, call.stream(job) as pieces:
+    async with s.call(reply.model, Task.CHAT, inputs) as call, call.stream(job) as pieces:
         yield reply.event("response.created", response=reply.response("in_progress"))
         yield reply.event("response.in_progress", response=reply.response("in_progress"))
         yield reply.event("response.output_item.added", output_index=0,

@@ -51,11 +51,11 @@ class Services:
     slo: SloConfig = field(default_factory=SloConfig)  # per model type; a model's slo_s wins
 
     @contextlib.asynccontextmanager
-    async def lease(self, model: str, task: Task, inputs: Inputs | None = None
-                    ) -> AsyncIterator[Call]:
-        """Lease `model` for `task` on behalf of the request being served, and use it through
-        the `Call` this yields. `inputs` are held to the model's max_inputs and
-        max_input_tokens. Raises PackserveErrors (see `api.errors`).
+    async def call(self, model: str, task: Task, inputs: Inputs | None = None
+                   ) -> AsyncIterator[Call]:
+        """A call of `model` for `task` on behalf of the request being served: a lease of
+        the model, used through the `Call` this yields. `inputs` are held to the model's
+        max_inputs and max_input_tokens. Raises PackserveErrors (see `api.errors`).
 
         The engine calls made through the `Call` compete for their device's compute by
         deadline: the request's arrival here plus its SLO (`core.compute`)."""

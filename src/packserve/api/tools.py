@@ -317,7 +317,7 @@ async def chat_with_tools(s: Services, body: ChatRequest, params: GenerationPara
             raise InvalidRequest(f"{exc.message} (in tools)", param="tools") from exc
 
     inputs = Inputs([m.text for m in body.messages], "messages", also=tool_texts(body, use))
-    async with s.lease(body.model, Task.CHAT, inputs) as call:
+    async with s.call(body.model, Task.CHAT, inputs) as call:
         out = await call.generate(run)
     # Off the loop: a schema's `pattern` can backtrack for seconds on hostile output.
     if use.envelope is not None:

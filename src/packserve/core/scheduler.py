@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from packserve import atomic
+from packserve import atomic, backoff
 from packserve.config import ModelSpec
 from packserve.core.backend import Backend, BackendFactory, LoadSpec, Runner
 from packserve.core.events import (
@@ -338,6 +338,7 @@ class _PinRetry:
     error: str
     delay_s: float
     next_at: float  # scheduler clock
+    failures: int = 1
 
 
 FOOTPRINT_HISTORY = 5  # measurements per load the footprint store keeps
@@ -1241,7 +1242,9 @@ class Scheduler:
                     return
                 except PackserveError as exc:
                     retry.error = exc.message
-                    retry.delay_s = min(retry.delay_s * 2, self._pin_retry_max_s)
+                    retry.failures += 1
+                    retry.delay_s = backoff.doubling(self._pin_retry_first_s,
+                                                     self._pin_retry_max_s, retry.failures)
                     log.warning("pinned model %s still did not load: %s; retrying in %gs",
                                 name, exc.message, retry.delay_s)
         finally:

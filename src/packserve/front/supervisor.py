@@ -30,6 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from packserve import backoff
 from packserve.config import Config
 from packserve.front import upstream
 from packserve.worker import (
@@ -373,9 +374,9 @@ class Supervisor:
             self._early_deaths, delay = 0, 0.0
         else:
             self._early_deaths += 1
-            low, high = RESTART_BACKOFF_S
-            delay = 0.0 if self._early_deaths == 1 else min(
-                high, low * 2 ** (self._early_deaths - 2))
+            # the first early death restarts at once, the next ones back off
+            delay = backoff.doubling(*RESTART_BACKOFF_S, self._early_deaths - 1) \
+                if self._early_deaths > 1 else 0.0
         if delay:
             log.warning("worker %d died %s; next start in %.1fs", worker.generation,
                         "soon after it started" if worker.up.is_set() else "before answering",

@@ -1,0 +1,93 @@
+"""Test factories, shared by every test module, by what they build: the default catalog
+(`catalog`), servers in this process and as processes (`servers`), scheduler and policy
+fixtures (`scheduler`), Ray pools (`pool`). Everything is importable from here too."""
+
+from __future__ import annotations
+
+from tests.factories.catalog import (
+    TEST_DEVICE,
+    catalog_path,
+    default_config,
+)
+from tests.factories.pool import (
+    RayCluster,
+    pool_process,
+    pool_section,
+    ray_cluster,
+)
+from tests.factories.scheduler import (
+    GIB,
+    MIB,
+    TIMEOUT,
+    Clock,
+    FakeProbe,
+    Harness,
+    Hold,
+    Recorder,
+    Sleeper,
+    T,
+    backend_of,
+    cold,
+    drain,
+    entry,
+    file_entry,
+    harness,
+    hold,
+    resident,
+    run,
+    use,
+)
+from tests.factories.servers import (
+    Running,
+    Served,
+    chat_body,
+    config_from,
+    cpu_device,
+    fake_config,
+    fake_model,
+    free_port,
+    serve,
+    serve_process,
+    write_config,
+)
+
+__all__ = [
+    "GIB",
+    "MIB",
+    "TEST_DEVICE",
+    "TIMEOUT",
+    "Clock",
+    "FakeProbe",
+    "Harness",
+    "Hold",
+    "RayCluster",
+    "Recorder",
+    "Running",
+    "Served",
+    "Sleeper",
+    "T",
+    "backend_of",
+    "catalog_path",
+    "chat_body",
+    "cold",
+    "config_from",
+    "cpu_device",
+    "default_config",
+    "drain",
+    "entry",
+    "fake_config",
+    "fake_model",
+    "file_entry",
+    "free_port",
+    "harness",
+    "hold",
+    "pool_process",
+    "pool_section",
+    "ray_cluster",
+    "resident",
+    "run",
+    "serve",
+    "serve_process",
+    "use",
+    "write_config",
+]
