@@ -5,17 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tests.factories.scheduler import MIB
-from tests.factories.servers import Served, free_port
+from tests.factories.servers import Served, cli_process
 
 
 @dataclass
@@ -65,22 +61,6 @@ def pool_section(address: str, replicas: int, **extra: object) -> str:
 def pool_process(config: Path, tmp: Path, timeout: float = 240.0) -> Iterator[Served]:
     """Run `packserve pool --config CONFIG` on a free port until its entry point is ready;
     SIGTERM it on exit (it deletes its replicas)."""
-    port = free_port()
-    log_path = tmp / f"pool-{port}.log"
-    cmd = [sys.executable, "-m", "packserve.cli", "pool", "--config", str(config),
-           "--port", str(port)]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    served = Served(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
-    try:
-        served.wait_ready(timeout)
+    with cli_process("pool", ["--config", str(config)], tmp, ready_s=timeout,
+                     stop_s=90) as served:
         yield served
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()

@@ -199,24 +199,33 @@ class Served:
 def serve_process(config: Path | None, tmp: Path, *args: str,
                   wait: bool = True) -> Iterator[Served]:
     """Run `packserve serve` on a free port; SIGTERM it (then SIGKILL) on exit."""
+    config_args = ["--config", str(config)] if config is not None else []
+    with cli_process("serve", [*config_args, *args], tmp, ready=wait) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def cli_process(verb: str, args: list[str], tmp: Path, *, ready: bool = True,
+                ready_s: float = 180.0, stop_s: float = 60.0) -> Iterator[Served]:
+    """Run `packserve VERB --port PORT ARGS` on a free port, its output in `tmp`; wait until
+    it is ready (within `ready_s`); on exit SIGTERM it, and SIGKILL it if it has not exited
+    within `stop_s`."""
     port = free_port()
-    log_path = tmp / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "packserve.cli", "serve", "--port", str(port), *args]
-    if config is not None:
-        cmd[4:4] = ["--config", str(config)]
+    log_path = tmp / f"{verb}-{port}.log"
+    cmd = [sys.executable, "-m", "packserve.cli", verb, "--port", str(port), *args]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     served = Served(url=f"http://127.0.0.1:{port}", proc=proc, log_path=log_path)
     try:
-        if wait:
-            served.wait_ready()
+        if ready:
+            served.wait_ready(ready_s)
         yield served
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=stop_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
