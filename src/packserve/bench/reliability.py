@@ -154,20 +154,40 @@ def residency_row(c: httpx.Client, name: str) -> dict[str, Any]:
 
 
 def memory_snapshot(server: Server, c: httpx.Client) -> dict[str, Any]:
-    """PSS/RSS/USS of the front, the worker and any other process of the server, now."""
+    """PSS/RSS/USS of the front, the worker and any other process of the server, now. What
+    holds the models is the worker and its runners (its child processes); the split's cost is
+    the whole server over that."""
     worker_pid = int(worker_view(c)["pid"])
     front = process_memory(server.pid)
     worker = process_memory(worker_pid)
-    others = [p for p in descendants(server.pid)
-              if p != worker_pid and p not in descendants(worker_pid)]
-    others_pss = 0
-    for p in [*others, *descendants(worker_pid)]:
-        with contextlib.suppress(OSError):
-            others_pss += process_memory(p)["pss_bytes"]
-    total = front["pss_bytes"] + worker["pss_bytes"] + others_pss
+    runners = descendants(worker_pid)
+    others = [p for p in descendants(server.pid) if p != worker_pid and p not in runners]
+
+    def pss(pids: list[int]) -> int:
+        total = 0
+        for p in pids:
+            with contextlib.suppress(OSError):
+                total += process_memory(p)["pss_bytes"]
+        return total
+
+    runners_pss, others_pss = pss(runners), pss(others)
+    held = worker["pss_bytes"] + runners_pss
+    total = front["pss_bytes"] + held + others_pss
     return {"front": front, "worker": worker, "worker_pid": worker_pid,
-            "other_processes_pss_bytes": others_pss, "total_pss_bytes": total,
-            "total_over_worker": ratio(total, worker["pss_bytes"])}
+            "runners_pss_bytes": runners_pss, "other_processes_pss_bytes": others_pss,
+            "total_pss_bytes": total, "total_over_worker": ratio(total, held)}
+
+
+def mib(n: int) -> float:
+    return round(n / MIB, 1)
+
+
+def _memory_row(label: str, snap: dict[str, Any]) -> list[object]:
+    front, worker = snap["front"], snap["worker"]
+    return [label, mib(front["pss_bytes"]), mib(front["uss_bytes"]), mib(front["rss_bytes"]),
+            mib(worker["pss_bytes"]), mib(worker["rss_bytes"]),
+            mib(snap.get("runners_pss_bytes", 0)), mib(snap["total_pss_bytes"]),
+            snap["total_over_worker"]]
 
 
 class Tally:
@@ -558,21 +578,11 @@ def run(opts: Options) -> Report:
     inflight_ok = 1.0 if drained["in_flight_chat"].get("status") == 200 else 0.0
     exit_ratio = drained["exit_s"] / drain_s if drain_s else None
 
-    def mib(n: int) -> float:
-        return round(n / MIB, 1)
-
     mem_rows: list[list[object]] = []
     for label, snap in (("idle (no model loaded)", idle),
                         (f"{len(models)} models loaded", loaded)):
-        mem_rows.append([label, mib(snap["front"]["pss_bytes"]), mib(snap["front"]["uss_bytes"]),
-                         mib(snap["front"]["rss_bytes"]), mib(snap["worker"]["pss_bytes"]),
-                         mib(snap["worker"]["rss_bytes"]), mib(snap["total_pss_bytes"]),
-                         snap["total_over_worker"]])
-    rest_snap = rest["idle"]
-    mem_rows.append([f"idle, {CHAT_MODEL} only (restart)", mib(rest_snap["front"]["pss_bytes"]),
-                     mib(rest_snap["front"]["uss_bytes"]), mib(rest_snap["front"]["rss_bytes"]),
-                     mib(rest_snap["worker"]["pss_bytes"]), mib(rest_snap["worker"]["rss_bytes"]),
-                     mib(rest_snap["total_pss_bytes"]), rest_snap["total_over_worker"]])
+        mem_rows.append(_memory_row(label, snap))
+    mem_rows.append(_memory_row(f"idle, {CHAT_MODEL} only (restart)", rest["idle"]))
     dd = drained.get("during_drain", {})
     fig_rows: list[list[object]] = [
         ["crash: kill -> first 200 from MiniLM (s)", round(recovery_s, 2)],
@@ -638,7 +648,8 @@ def run(opts: Options) -> Report:
         "at_rest": rest,
         "tables": [
             {"columns": ["when", "front PSS MiB", "front USS MiB", "front RSS MiB",
-                         "worker PSS MiB", "worker RSS MiB", "total PSS MiB", "total / worker"],
+                         "worker PSS MiB", "worker RSS MiB", "runners PSS MiB", "total PSS MiB",
+                         "total / (worker + runners)"],
              "rows": mem_rows},
             {"columns": ["figure", "value"], "rows": fig_rows},
             {"columns": ["front PSS by mapping", "MiB"],
@@ -646,7 +657,7 @@ def run(opts: Options) -> Report:
         ],
     }
     report.goals = [
-        Goal("reliability: PSS with every model loaded, (front + worker) / worker",
+        Goal("reliability: PSS with every model loaded, the whole server / (worker + runners)",
              loaded["total_over_worker"], 1.10, "<="),
         Goal(f"reliability: recovery after SIGSEGV / ({RECOVERY_GRACE_S:.0f} s + MiniLM load s)",
              recovery_ratio, 1.0, "<="),
@@ -658,7 +669,7 @@ def run(opts: Options) -> Report:
         Goal("reliability: drain, in-flight requests answered 200 / in flight", inflight_ok,
              1.0, ">="),
         Goal(f"at rest: idle PSS of a {CHAT_MODEL}-only server, all processes / "
-             f"{AT_REST_MIB} MiB", rest_snap["total_pss_bytes"] / (AT_REST_MIB * MIB), 1.0,
+             f"{AT_REST_MIB} MiB", rest["idle"]["total_pss_bytes"] / (AT_REST_MIB * MIB), 1.0,
              "<="),
         Goal(f"at rest: spawn -> /healthz after a restart / {AT_REST_HEALTHZ_S} s",
              rest["healthz_s"] / AT_REST_HEALTHZ_S, 1.0, "<="),
