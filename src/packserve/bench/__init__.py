@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import shlex
 import sys
 from pathlib import Path
@@ -67,7 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+# What `packserve bench` needs beyond a server's install: the `bench` extra.
+BENCH_NEEDS = ("aiohttp", "matplotlib", "openai")
+
+
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    missing = [m for m in BENCH_NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"packserve bench needs {', '.join(missing)}: pip install 'packserve[bench]' "
+              f"(scripts/setup.sh --dev installs it)", file=sys.stderr)
+        return 2
     # Here, not at the top: `packserve serve` builds this parser too, and needs no rich (its
     # progress bars: ~2.5 MiB in the front).
     from packserve.bench.common import Options, console, write_results
