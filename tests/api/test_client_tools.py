@@ -99,10 +99,11 @@ def test_aiperf_runs_without_an_error(server: Running, tokenizer: Path, tmp_path
     if endpoint == "chat":
         served = report["usage_completion_tokens"]
         assert served["min"] == served["max"] == OUTPUT_TOKENS, served
-        # aiperf's own count re-tokenizes the text it got: a token boundary may fall
-        # elsewhere in text made past the model's end (one token either way).
+        # aiperf's own count re-tokenizes the text it got, and text made past the model's end
+        # (ignore_eos) re-tokenizes loosely: its pieces merge into fewer tokens (22 for 24
+        # once, on a fresh clone) or split into more. The server's count above is the exact one.
         counted = report["output_sequence_length"]
-        assert OUTPUT_TOKENS - 1 <= counted["min"] <= counted["max"] <= OUTPUT_TOKENS + 1
+        assert OUTPUT_TOKENS - 4 <= counted["min"] <= counted["max"] <= OUTPUT_TOKENS + 4
 
 
 def test_the_frameworks_recipes_work(server: Running, tmp_path: Path) -> None:

@@ -109,7 +109,12 @@ def test_quick_run_reports_every_router_and_every_request(tmp_path: Path,
         assert set(trace["policies"]) == set(ROUTERS)
         for router, p in trace["policies"].items():
             assert p["sent"] == trace["requests"] > 0, router
-            assert len(p["requests"]) == p["answered"] == p["sent"], (router, p["statuses"])
+            assert len(p["requests"]) == p["sent"], router  # every request is reported
+            # packserve's router answers every one; a baseline's lost request (a fresh clone's
+            # run once saw Ray Serve's drop one connection) is a result, counted as status -1
+            assert p["answered"] == p["sent"] or (
+                router != "packserve" and p["statuses"].get("-1", 0) == p["sent"] - p["answered"]
+            ), (router, p["statuses"])
             assert p["loads"] >= 1 and p["bytes_loaded"] > 0, router
             assert p["evictions"] >= 0
             assert 0 <= p["slo_attainment"] <= 1, router
