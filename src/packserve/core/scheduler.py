@@ -1093,9 +1093,11 @@ class Scheduler:
         The bytes it still holds then (measured as the load is, never more than it held), or
         None if it cannot: then it is unloaded whole."""
         device = res.load.device
-        self._probe.release(device)  # garbage from before is not the release's to claim
-        before = self._probe.used_bytes(device)
-        mapped = self._probe.mapped_file_bytes(device, res.load.path)
+        before = mapped = 0
+        if not backend.out_of_process:  # a runner's memory is not this process's to measure
+            self._probe.release(device)  # garbage from before is not the release's to claim
+            before = self._probe.used_bytes(device)
+            mapped = self._probe.mapped_file_bytes(device, res.load.path)
         try:
             kept = backend.release_weights()
         except Exception:
