@@ -1,6 +1,7 @@
 """Runners take turns on the CPU: while several are busy, the one serving the earliest deadline
-runs and the others are stopped; an idle, forgotten or lone runner is never held. Checked on
-real processes (`sleep`), whose state the kernel reports."""
+runs and the others are stopped; an idle, forgotten or lone runner is never held, and one whose
+process is not started yet holds nobody until it is. Checked on real processes (`sleep`), whose
+state the kernel reports."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from packserve.backends.llama_server import Turns, _urgency
+from packserve.backends.llama_server import Competitor, Turns, _urgency
 
 
 def _state(pid: int) -> str:
@@ -37,14 +38,15 @@ def procs() -> Iterator[list[int]]:
 def test_the_earliest_deadline_runs_and_the_others_wait(procs: list[int]) -> None:
     a, b, c = procs
     turns = Turns()
+    ra, rb, rc = Competitor(a), Competitor(b), Competitor(c)
     now = time.monotonic()
-    with turns.working(a, now + 4.0, 4.0):
+    with turns.working(ra, now + 4.0, 4.0):
         time.sleep(0.05)
         assert turns.stopped() == frozenset()  # alone: never held
-        with turns.working(b, now + 0.5, 0.5):  # an embedding comes: it runs, a waits
+        with turns.working(rb, now + 0.5, 0.5):  # an embedding comes: it runs, a waits
             _until(a, stopped=True)
             assert _state(b) != "T" and turns.stopped() == {a}
-            with turns.working(c, now + 9.0, 4.0):
+            with turns.working(rc, now + 9.0, 4.0):
                 _until(c, stopped=True)
         _until(a, stopped=False)  # b is done: a runs again
         assert turns.stopped() == frozenset()
@@ -54,10 +56,11 @@ def test_the_earliest_deadline_runs_and_the_others_wait(procs: list[int]) -> Non
 def test_a_forgotten_runner_is_let_go_at_once(procs: list[int]) -> None:
     a, b, _ = procs
     turns = Turns()
+    rb = Competitor(b)
     now = time.monotonic()
-    with turns.working(a, now + 0.5, 0.5), turns.working(b, now + 4.0, 4.0):
+    with turns.working(Competitor(a), now + 0.5, 0.5), turns.working(rb, now + 4.0, 4.0):
         _until(b, stopped=True)
-        turns.forget(b)  # being unloaded: SIGTERM must reach it
+        turns.forget(rb)  # being unloaded: SIGTERM must reach it
         assert _state(b) != "T" and b not in turns.stopped()
         time.sleep(0.1)
         assert _state(b) != "T"  # and it is not held again
@@ -69,3 +72,25 @@ def test_a_late_request_competes_as_if_it_came_again() -> None:
     # 5 s late with a 4 s SLO: due again 3 s from now, after a fresh 0.5 s request
     assert _urgency([(now - 5.0, 4.0)]) == pytest.approx(now + 3.0, abs=0.01)
     assert _urgency([(now - 5.0, 4.0), (now + 2.0, 4.0)]) == pytest.approx(now + 2.0)
+
+
+def test_a_start_competes_once_its_process_exists(procs: list[int]) -> None:
+    """A runner's start is under its turn from before its process is spawned (the scheduler
+    holds `working` around the load): with no process it holds nobody; once it has one, it
+    waits while a runner due earlier computes, and the earlier one waits while it is due
+    first."""
+    a, b, _ = procs
+    turns = Turns()
+    starting = Competitor()
+    now = time.monotonic()
+    with turns.working(Competitor(a), now + 0.5, 0.5), turns.working(starting, now + 4.0, 4.0):
+        time.sleep(0.05)
+        assert turns.stopped() == frozenset()  # nothing to stop yet, and nobody waits for it
+        turns.spawned(starting, b)
+        _until(b, stopped=True)
+        assert _state(a) != "T"
+    _until(b, stopped=False)
+    with turns.working(starting, now + 0.5, 0.5), turns.working(Competitor(a), now + 4.0, 4.0):
+        _until(a, stopped=True)
+        assert _state(b) != "T"
+    _until(a, stopped=False)

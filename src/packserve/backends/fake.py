@@ -15,6 +15,7 @@ process that runs it (tests/api/test_fuzz.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -51,8 +52,9 @@ def _out_of_memory(name: str) -> Exception:
 class FakeControl:
     """Shared knobs: block loads and restores (and unloads) until released, fail the next N
     loads or restores with `failure(name)` (out of memory unless a test says otherwise), count
-    loads, unloads, releases to warm and restores,
-    obey the `@@` directives in texts or not (`directives`)."""
+    loads, unloads, releases to warm and restores, record who computed at which deadline and SLO
+    (`turns`: what `working` was given), obey the `@@` directives in texts or not
+    (`directives`)."""
 
     gate: threading.Event = field(default_factory=threading.Event)
     unload_gate: threading.Event = field(default_factory=threading.Event)
@@ -62,6 +64,7 @@ class FakeControl:
     unloads: dict[str, int] = field(default_factory=dict)
     releases: dict[str, int] = field(default_factory=dict)  # to warm
     restores: dict[str, int] = field(default_factory=dict)  # from warm
+    turns: list[tuple[str, float, float]] = field(default_factory=list)  # name, deadline, SLO
     lock: threading.Lock = field(default_factory=threading.Lock)
     directives: bool = True
 
@@ -147,6 +150,11 @@ class FakeBackend(Backend):
         self.control.gate.wait(timeout=30)
         self._count(self.control.restores, fallible=True)
         self._warm = False
+
+    def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
+        with self.control.lock:
+            self.control.turns.append((self.name, deadline, slo_s))
+        return contextlib.nullcontext()
 
     def weight_bytes(self) -> int:
         if not self._loaded:

@@ -100,6 +100,16 @@ _SPAWNER.submit(int).result()  # the thread exists from now on
 _PR_SET_PDEATHSIG = 1
 
 
+class Competitor:
+    """One runner as the CPU's turns see it: its process id while it has one (None before its
+    start and after its stop; a runner restarted in place gets a new one)."""
+
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: int | None = None) -> None:
+        self.pid = pid
+
+
 class Turns:
     """The CPU's runners compute one at a time when several are busy: the one serving the
     earliest deadline runs, the others are stopped (SIGSTOP) until it is idle or a request with
@@ -115,10 +125,12 @@ class Turns:
     A request's deadline is its arrival plus its model's SLO (`[server.slo]`); one already
     past it competes as if it came again (its deadline moves on by its SLO), so late requests
     do not keep the cores from every other runner (the domino effect `core.compute` describes).
-    A runner is stopped only while it has a request to serve and another runner's is more
-    urgent; a runner that is starting (its health is polled with a timeout), idle or being
-    stopped is never held. On by default; `[server] runner_turns = false` leaves the sharing to
-    the OS.
+    A runner's start (its load, llama-server's warm-up pass) competes too, at the deadline of
+    the earliest request waiting for it: a start beside a burst of embeddings once took 6.2 s
+    where it takes 0.2, and held the embeddings as long (docs/benchmarks.md, trace). A runner
+    is stopped only while it has work and another runner's is more urgent; an idle runner, or
+    one being stopped or released, is never held. On by default; `[server] runner_turns =
+    false` leaves the sharing to the OS.
     """
 
     RECHECK_S = 0.02  # how often the deadlines are compared again while runners wait
@@ -126,15 +138,17 @@ class Turns:
     def __init__(self) -> None:
         self.enabled = True
         self._cond = threading.Condition()
-        self._work: dict[int, list[tuple[float, float]]] = {}  # pid -> (deadline, SLO) each
-        self._stopped: set[int] = set()
+        self._work: dict[Competitor, list[tuple[float, float]]] = {}  # (deadline, SLO) each
+        self._stopped: set[int] = set()  # pids
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def working(self, pid: int, deadline: float, slo_s: float) -> Iterator[None]:
+    def working(self, who: Competitor, deadline: float, slo_s: float) -> Iterator[None]:
+        """`who` computes for a request (or its start) due at `deadline` (time.monotonic()),
+        for as long as the block runs. Any thread."""
         entry = (deadline, max(slo_s, 0.001))
         with self._cond:
-            self._work.setdefault(pid, []).append(entry)
+            self._work.setdefault(who, []).append(entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="packserve-runner-turns",
                                                 daemon=True)
@@ -144,18 +158,27 @@ class Turns:
             yield
         finally:
             with self._cond:
-                entries = self._work.get(pid)
+                entries = self._work.get(who)
                 if entries is not None and entry in entries:
                     entries.remove(entry)
                     if not entries:
-                        del self._work[pid]
+                        del self._work[who]
                 self._cond.notify()
 
-    def forget(self, pid: int) -> None:
-        """`pid` is being stopped or has died: never hold it again (it is let go now)."""
+    def spawned(self, who: Competitor, pid: int | None) -> None:
+        """`who` has a process now (None: none any more); a start waiting under its turn
+        competes from now on."""
         with self._cond:
-            self._work.pop(pid, None)
-            self._resume(pid)
+            who.pid = pid
+            self._cond.notify()
+
+    def forget(self, who: Competitor) -> None:
+        """`who` is being stopped, released or has died: never hold it again (it is let go
+        now)."""
+        with self._cond:
+            self._work.pop(who, None)
+            if who.pid is not None:
+                self._resume(who.pid)
             self._cond.notify()
 
     def stopped(self) -> frozenset[int]:
@@ -165,7 +188,9 @@ class Turns:
     def _run(self) -> None:
         while True:
             with self._cond:
-                busy = {pid: entries for pid, entries in self._work.items() if entries}
+                # A runner without a process yet (its start is being spawned) uses no CPU.
+                busy = {who.pid: entries for who, entries in self._work.items()
+                        if entries and who.pid is not None}
                 winner = min(busy, key=lambda pid: _urgency(busy[pid])) if len(busy) > 1 \
                     else None
                 for pid in list(self._stopped):
@@ -258,6 +283,7 @@ class _RunnerProcess(Backend):
     def __post_init__(self) -> None:
         self.name = self.spec.path.name
         self._restart_lock = threading.Lock()
+        self._turn = Competitor()
 
     # -- lifecycle (the scheduler's) -----------------------------------------------------------
 
@@ -295,6 +321,7 @@ class _RunnerProcess(Backend):
                 preexec_fn=_die_with_parent, close_fds=True).result()
         finally:
             log.close()
+        TURNS.spawned(self._turn, self._proc.pid)
         try:
             self._wait_ready()
             self.n_vocab = self._read_vocab()
@@ -304,7 +331,8 @@ class _RunnerProcess(Backend):
 
     def _read_vocab(self) -> int:
         """The model's vocabulary size, as the runner reports it (token ids are below it)."""
-        conn = _UnixHTTP(str(self._socket), timeout=5)
+        # Not the health poll's 5 s: a start may be held for its turn (class Turns) meanwhile.
+        conn = _UnixHTTP(str(self._socket), timeout=START_TIMEOUT_S)
         try:
             conn.request("GET", "/v1/models")
             rows = _json(conn.getresponse().read()).get("data") or [{}]
@@ -344,14 +372,14 @@ class _RunnerProcess(Backend):
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None:
-            TURNS.forget(proc.pid)
+        TURNS.forget(self._turn)
         if proc is not None and proc.poll() is None:
             # Killed, not asked: nothing of a runner outlives it (no request is in flight when
             # it is unloaded), and its own shutdown took 0.11-0.16 s that a model switch waited
             # for (`scripts/runner_checks.py start`); killed, it is gone in milliseconds.
             proc.kill()
             proc.wait()
+        TURNS.spawned(self._turn, None)
         folder, self._dir = self._dir, None
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -362,8 +390,7 @@ class _RunnerProcess(Backend):
         could not: the scheduler unloads it."""
         if self.dead():
             return False
-        if self.pid is not None:
-            TURNS.forget(self.pid)  # it is idle: if its turn had it stopped, it runs now
+        TURNS.forget(self._turn)  # it is idle: if its turn had it stopped, it runs now
         try:
             done = self._pages("release")
         except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -411,10 +438,9 @@ class _RunnerProcess(Backend):
         return 0
 
     def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
-        pid = self.pid
-        if not TURNS.enabled or pid is None or self.spec.device != "cpu":
+        if not TURNS.enabled or self.spec.device != "cpu":
             return contextlib.nullcontext()
-        return TURNS.working(pid, deadline, slo_s)
+        return TURNS.working(self._turn, deadline, slo_s)
 
     @property
     def pid(self) -> int | None:

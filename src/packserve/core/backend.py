@@ -282,9 +282,11 @@ class Backend:
         raise TaskNotSupported(f"{self.name} cannot complete text")
 
     def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
-        """Held by a request for as long as it uses this load: its deadline (time.monotonic()
-        seconds) and its model's SLO, for an engine that shares compute between its loads by
-        deadline (llama-server runners). Called on the event loop: no I/O, no waiting."""
+        """Held by a request for as long as it uses this load, and by the scheduler around
+        `load` and `restore_weights`: the deadline (time.monotonic() seconds) and SLO of the
+        request served (of the earliest one waiting, for a load), for an engine that shares
+        compute between its loads by deadline (llama-server runners). Any thread; no I/O, no
+        waiting."""
         return contextlib.nullcontext()
 
 

@@ -300,6 +300,7 @@ class _Resident:
     unloading_bytes: int | None = None  # while UNLOADING: a warm copy holds less than `bytes`
     turn: _Turn | None = None  # a load waits for it to drain (see the module's invariants)
     due: float = math.inf  # the earliest deadline of the requests its load (if any) serves
+    due_slo: float = math.inf  # that request's SLO
     at_risk: float = math.inf  # when that request will have waited `load_turn` of its SLO
     holding: dict[str, _Turn] = field(default_factory=dict)  # while its load waits: whom it drains
 
@@ -579,7 +580,8 @@ class Scheduler:
         lease: Lease | None = None
         try:
             slo = self._slo(slo_s)
-            await self._ensure_hot(res, due=(t_enter + slo, t_enter + self._load_turn * slo))
+            await self._ensure_hot(res, due=(t_enter + slo, t_enter + self._load_turn * slo,
+                                             slo))
             t_ready = self._clock()
             assert res.runner is not None
             lease = Lease(model=name, task=task, runner=res.runner, clock=self._clock)
@@ -692,7 +694,7 @@ class Scheduler:
     # ----------------------------------------------------------------- loading
 
     async def _ensure_hot(self, res: _Resident, *, ignore_cooldown: bool = False,
-                          due: tuple[float, float] | None = None) -> None:
+                          due: tuple[float, float, float] | None = None) -> None:
         """Return when `res` is hot, joining its load or starting one. Raises PackserveError.
 
         The caller counts as a waiter while it awaits the load; it may be cancelled at any
@@ -724,8 +726,10 @@ class Scheduler:
                         f"model {res.label} failed to load: {res.error}; "
                         f"next try in {left:.0f}s", retry_after_s=int(left) + 1)
                 task = self._start_load(res)
-            if due is not None:  # a request's deadline, and when it is at risk: the load's turn
-                res.due, res.at_risk = min(res.due, due[0]), min(res.at_risk, due[1])
+            if due is not None:  # a request's deadline, when it is at risk, its SLO
+                if due[0] < res.due:
+                    res.due, res.due_slo = due[0], due[2]
+                res.at_risk = min(res.at_risk, due[1])
             res.waiters += 1
             try:
                 await asyncio.shield(task)
@@ -741,7 +745,7 @@ class Scheduler:
 
     def _start_load(self, res: _Resident) -> asyncio.Task[None]:
         res.state = State.ADMITTING
-        res.due = res.at_risk = math.inf  # its waiters set them
+        res.due = res.due_slo = res.at_risk = math.inf  # its waiters set them
         task = asyncio.create_task(self._load(res), name=f"packserve load {res.label}")
         res.load_task = task
         task.add_done_callback(_retrieve)  # waiters get its outcome; nobody else needs it
@@ -777,7 +781,7 @@ class Scheduler:
             log.debug("load of %s abandoned: nobody waits for it any more", res.label)
         finally:
             self._release_holds(res)
-            res.due = res.at_risk = math.inf
+            res.due = res.due_slo = res.at_risk = math.inf
             res.load_task = None
             res.abandonable = False
             if res.state in (State.ADMITTING, State.LOADING):
@@ -918,7 +922,7 @@ class Scheduler:
             self._probe.release(device)
             before = self._probe.used_bytes(device)
             try:
-                backend.load()
+                _working(backend, due, slo, backend.load)
             except BaseException:
                 backend.unload()
                 self._probe.release(device)
@@ -930,6 +934,7 @@ class Scheduler:
         alone = not any(self._view(r).holds_memory or r.warm is not None
                         for r in self._residents.values() if r is not res)
         self._emit(LoadStartEvent(model=res.label, device=device))
+        due, slo = self._compute_turn(res)
         backend, measured = await self._run(build)
         seconds = self._clock() - t0
         try:  # the raw reading: the store keeps a median of recent ones across restarts
@@ -990,8 +995,9 @@ class Scheduler:
         device = res.load.device
         t0 = self._clock()
         self._emit(LoadStartEvent(model=res.label, device=device))
+        due, slo = self._compute_turn(res)
         try:
-            await self._run(backend.restore_weights)
+            await self._run(_working, backend, due, slo, backend.restore_weights)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("restoring %s from the warm tier failed (%s); loading it anew",
@@ -1579,6 +1585,14 @@ class Scheduler:
             restore_s=res.restore_seconds or self._expected_restore(res),
             warm_bytes=res.warm_bytes if res.warm is not None else 0)
 
+    def _compute_turn(self, res: _Resident) -> tuple[float, float]:
+        """The deadline and SLO at which the load of `res` competes for compute (see
+        `Backend.working`): its earliest waiter's; a load nobody waits on with a deadline (a
+        pin, an operator's) competes as a request due in `load_wait_s`."""
+        if math.isfinite(res.due):
+            return res.due, res.due_slo
+        return self._clock() + self._load_wait_s, self._load_wait_s
+
     @staticmethod
     def _expected_restore(res: _Resident) -> float:
         """A restore's seconds before one was measured: the engine's declared share of its
@@ -1609,6 +1623,12 @@ class Scheduler:
                 sink(event)
             except Exception:  # an exporter bug must not break scheduling
                 log.exception("event sink failed on %s", event)
+
+
+def _working(backend: Backend, deadline: float, slo_s: float, call: Callable[[], T]) -> T:
+    """`call` (an engine's load or restore, in a load thread) under `backend.working`."""
+    with backend.working(deadline, slo_s):
+        return call()
 
 
 def _be_nice(nice: int) -> None:
