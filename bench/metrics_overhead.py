@@ -22,8 +22,9 @@ import httpx
 
 from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
+from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.events import RequestEvent, RequestStartEvent
-from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
+from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
 

@@ -12,11 +12,13 @@ from packserve import backends
 from packserve.auth import KeyRing
 from packserve.config import AUTO_BUDGET_FRACTION, Config, DeviceConfig, ModelSpec
 from packserve.core.backend import BackendFactory, LoadSpec
+from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.engine import Engine
 from packserve.core.events import EventSink, log_event
+from packserve.core.loader import FootprintStore
 from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
 from packserve.core.policy import VictimPolicy, make_policy
-from packserve.core.scheduler import DeviceBudget, Entry, FootprintStore, Scheduler
+from packserve.core.scheduler import Scheduler
 from packserve.errors import ConfigError
 from packserve.modelfiles import ModelFacts, read_facts_cached
 from packserve.planner.sizing import Breakdown

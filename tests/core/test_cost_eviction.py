@@ -10,9 +10,9 @@ import pytest
 
 from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
+from packserve.core.catalog import Entry
 from packserve.core.events import EvictEvent
 from packserve.core.policy import CostAware, VictimPolicy, lru_by_bytes
-from packserve.core.scheduler import Entry
 from packserve.types import State, Task
 from tests.factories import MIB, TIMEOUT, drain, entry, harness, hold, use
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from packserve.core.events import EvictEvent, LoadEvent, LoadFailedEvent, LoadStartEvent
+from packserve.core.loader import FootprintStore
 from packserve.core.policy import Verdict
-from packserve.core.scheduler import FootprintStore, PinStatus, Readiness, Scheduler
+from packserve.core.scheduler import Scheduler
+from packserve.core.status import PinStatus, Readiness
 from packserve.errors import (
     Conflict,
     ModelNotFound,
@@ -622,7 +624,7 @@ async def test_measured_footprint_over_max_memory_never_fits_and_is_unloaded(
 
 async def test_live_objects_are_settled_only_when_no_other_model_is_loaded() -> None:
     h = harness([entry("a"), entry("b")], budget_mib=1024)
-    probe = h.scheduler._probe
+    probe = h.scheduler._loader.probe
     assert isinstance(probe, FakeProbe)
     await use(h.scheduler, "a")  # nothing else loaded: settle
     await use(h.scheduler, "b")  # `a` is loaded: its objects must stay collectable
@@ -676,7 +678,7 @@ class GrowingProbe(FakeProbe):
 
 async def test_a_lower_reading_on_reload_does_not_shrink_the_counted_footprint() -> None:
     h = harness([entry("a")], budget_mib=500)
-    h.scheduler._probe = GrowingProbe([150 * MIB, 0])  # a reload reusing freed pages
+    h.scheduler._loader.probe = GrowingProbe([150 * MIB, 0])  # a reload reusing freed pages
     await use(h.scheduler, "a")
     assert h.status("a").bytes_measured == 150 * MIB
     await h.scheduler.unload("a")

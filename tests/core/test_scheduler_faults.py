@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save_file
 
+from packserve.core.catalog import DeviceBudget, ReconfigureReport
 from packserve.core.events import (
     EvictEvent,
     LoadEvent,
@@ -28,14 +29,9 @@ from packserve.core.events import (
     RequestStartEvent,
     log_event,
 )
+from packserve.core.loader import FootprintStore, is_memory_failure
 from packserve.core.policy import ResidentView, VictimPolicy, choose_victims, lru_by_bytes
-from packserve.core.scheduler import (
-    DeviceBudget,
-    FootprintStore,
-    PinStatus,
-    ReconfigureReport,
-    is_memory_failure,
-)
+from packserve.core.status import PinStatus
 from packserve.errors import (
     ConfigError,
     ModelNotFound,

@@ -18,15 +18,12 @@ from packserve.backends import check_weights
 from packserve.backends.fake import FakeBackend, FakeControl, held_bytes
 from packserve.config import ModelSpec
 from packserve.core.backend import Backend, LoadSpec, Runner
+from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
+from packserve.core.loader import FootprintStore
 from packserve.core.policy import ResidentView, VictimPolicy, lru_by_bytes
-from packserve.core.scheduler import (
-    DeviceBudget,
-    Entry,
-    FootprintStore,
-    ModelStatus,
-    Scheduler,
-)
+from packserve.core.scheduler import Scheduler
+from packserve.core.status import ModelStatus
 from packserve.types import State, Task
 
 MIB = 1 << 20

@@ -26,9 +26,7 @@ import uvicorn
 from packserve.api.app import create_app
 from packserve.config import Config, load_config
 from packserve.core.events import Event
-from packserve.core.scheduler import (
-    Scheduler,
-)
+from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry
 from packserve.server import build_keyring, build_scheduler, build_telemetry
 

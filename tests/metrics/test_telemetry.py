@@ -12,8 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
+from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.events import RequestEvent
-from packserve.core.scheduler import DeviceBudget, Entry, Scheduler
+from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry, percentile
 from packserve.types import Task
 from tests.factories import Running

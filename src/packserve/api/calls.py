@@ -29,7 +29,7 @@ from packserve.core.backend import (
     Wire,
 )
 from packserve.core.compute import TICKET
-from packserve.core.scheduler import Lease
+from packserve.core.lease import Lease
 
 T = TypeVar("T")
 

@@ -19,7 +19,8 @@ from packserve.api.calls import Call, off_loop
 from packserve.auth import KeyLimits
 from packserve.config import ModelSpec, SloConfig
 from packserve.core.compute import TICKET, Gates
-from packserve.core.scheduler import Lease, Scheduler
+from packserve.core.lease import Lease
+from packserve.core.scheduler import Scheduler
 from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task

@@ -3,7 +3,7 @@ clock, and the compute of one device shared between loads and requests.
 
 Pure: no I/O, no asyncio, no wall clock. `simulate` replays a trace (`bench.trace.make_trace`'s
 requests) on a `Box` (one device, its catalog and what each job costs there) and returns what
-happened. What it mirrors of `core.scheduler` (`_admit_and_load`, `acquire`, `_to_cold`):
+happened. What it mirrors of `core.scheduler` (`_admit_and_load`, `acquire`, `_evict_to`):
 
 - A request for a model that is not hot starts a load of its weights. Loads take the device's
   lock one at a time, first come first served; the one holding it asks `plan_admission` with
@@ -61,6 +61,7 @@ from packserve.core.policy import (
     choose_victims,
     plan_admission,
 )
+from packserve.core.resident import Moves
 from packserve.types import State
 
 TIGHT = frozenset({"embed", "rerank"})  # the tasks with the tight SLO; the rest generate
@@ -265,10 +266,11 @@ class _Req:
 
 
 @dataclass
-class _Res:
+class _Res(Moves):
+    """A resident as the simulator keeps it; its state moves along the scheduler's table."""
+
     w: Weights
     models: tuple[str, ...]
-    state: State = State.COLD
     queue: deque[_Req] = field(default_factory=deque)
     running: int = 0  # requests in running jobs
     jobs: int = 0  # running service jobs (at most `slots`)
@@ -469,7 +471,8 @@ class _Sim:
         if job.kind in ("load", "restore"):
             self.out.loads.append(LoadRecord(job.started, r.w.key, seconds, r.w.bytes,
                                              warm=job.kind == "restore"))
-            r.state, r.loaded_at, r.last_used = State.HOT, now, now
+            r.move(State.HOT)
+            r.loaded_at = r.last_used = now
             if job.kind == "load" or not self._in_place(r):
                 r.load_s = seconds
             r.fresh = job.kind == "load"
@@ -479,9 +482,10 @@ class _Sim:
             self._serve(r)
         else:  # unload, offload, or a warm copy dropped
             if job.kind == "offload" and self._in_place(r):
-                r.state, r.kept = State.WARM, r.w.keeps_bytes or 0
+                r.move(State.WARM)
+                r.kept = r.w.keeps_bytes or 0
             else:
-                r.state = State.COLD
+                r.move(State.COLD)
             if r.queue:  # requests came while it left: load it again
                 self._want(r)
         self._changed()
@@ -489,7 +493,7 @@ class _Sim:
     # -------------------------------------------------------------------- residency
 
     def _want(self, r: _Res, admit: bool = True) -> None:
-        r.state = State.ADMITTING
+        r.move(State.ADMITTING)
         self.lock.append(r)
         if admit:
             self._admit()
@@ -519,8 +523,8 @@ class _Sim:
                 self.lock.popleft()
                 self._end_turns(target)
                 # its requests stay queued: never served; a warm copy on the device stays
-                target.state = State.WARM if target.warm and self._in_place(target) \
-                    else State.COLD
+                target.move(State.WARM if target.warm and self._in_place(target)
+                            else State.COLD)
                 continue
             if plan.verdict is Verdict.WAIT_FOR_BUSY:
                 self._end_turns(target, keep=plan.draining)
@@ -534,7 +538,7 @@ class _Sim:
                 if self._evict(self.res[plan.victims[0]], cold=plan.to_cold):
                     return
                 continue  # a waiting load's warm copy let go at once: plan again
-            target.state = State.LOADING
+            target.move(State.LOADING)
             self._end_turns(target)
             held = sum(self._view(r, 0).held for r in self.res.values())
             self.out.peak_bytes = max(self.out.peak_bytes, held)
@@ -580,7 +584,7 @@ class _Sim:
             kind, seconds = "offload", v.w.offload_s
             v.warm, v.warm_since = True, self.clock.now
             self.out.offloads += 1
-        v.state = State.UNLOADING
+        v.move(State.UNLOADING)
         self.mover = _Job(kind, v, seconds, self.clock.now, [])
         self._start(self.mover)
         return True

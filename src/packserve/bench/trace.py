@@ -99,7 +99,7 @@ def footprints(opts: Options, config: Path) -> dict[str, int]:
     """Bytes per distinct set of weights (keyed by its first catalog name): measured if
     packserve has measured it before (its footprint store), else its estimate."""
     from packserve.config import load_config
-    from packserve.core.scheduler import FootprintStore
+    from packserve.core.loader import FootprintStore
     from packserve.server import build_entries
 
     cfg = load_config(config)

@@ -18,7 +18,7 @@ from packserve.api.structured import check_json, response_format
 from packserve.api.tools import chat_with_tools, tool_use
 from packserve.core.backend import Generated, GenerationParams, OnText, Runner, Wire
 from packserve.core.backend import Message as ChatTurn
-from packserve.core.scheduler import ModelStatus
+from packserve.core.status import ModelStatus
 from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.types import Task
 

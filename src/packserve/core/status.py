@@ -1,0 +1,61 @@
+"""What the scheduler tells the rest of packserve about residency: the rows that `api/` (the
+residency view, /readyz) and `metrics/` read. Plain frozen data; the scheduler builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packserve.types import State, Task
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One row of the residency view."""
+
+    name: str
+    tasks: tuple[Task, ...]
+    state: State
+    device: str
+    pinned: bool
+    bytes_estimated: int
+    bytes_measured: int | None
+    in_flight: int
+    queued: int
+    last_used: float | None  # wall-clock seconds since the epoch
+    load_seconds: float | None
+    error: str | None
+    shares_weights_with: tuple[str, ...]
+    bytes_warm: int | None = None  # what it holds while warm (engine objects, no weights)
+    restore_seconds: float | None = None  # the last restore from warm
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """A device's budget and what its residents hold now."""
+
+    name: str
+    budget_bytes: int
+    headroom_bytes: int
+    used_bytes: int
+
+
+@dataclass(frozen=True)
+class PinStatus:
+    """A pinned model that is not hot, as /readyz reports it."""
+
+    model: str
+    state: State
+    error: str | None  # why its last load failed; None while it loads for the first time
+    next_retry_s: float | None  # seconds until the scheduler tries again; None: no retry planned
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Ready when every pinned model is hot; `pins` are the pinned models that are not."""
+
+    ready: bool
+    pins: tuple[PinStatus, ...]
+
+    @property
+    def not_loaded(self) -> list[str]:
+        return [p.model for p in self.pins]
