@@ -28,10 +28,11 @@ import functools
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from packserve.backends import llama_compat
 from packserve.backends.llama_batch import PROMPT_SLICE, BatchDecoder, Job
 from packserve.core.backend import (
     Alternative,
@@ -61,11 +62,6 @@ from packserve.types import Task
 
 DEFAULT_CONTEXT = 2048  # tokens of KV cache unless the entry or the model asks for fewer
 
-# JSON strings may not hold raw control characters; llama.cpp's schema converter allows them,
-# which lets a small model wander inside a string until max_tokens. Tighten the rule.
-_LOOSE_CHAR = 'char ::= [^"\\\\]'
-_JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F]'
-
 
 def schema_grammar(schema: dict[str, object] | None) -> Any:
     """A llama.cpp grammar for `schema`, or for any JSON object when `schema` is None."""
@@ -79,7 +75,7 @@ def schema_grammar(schema: dict[str, object] | None) -> Any:
         except Exception as exc:  # the converter raises bare Exceptions for unsupported schemas
             raise InvalidRequest(f"unsupported JSON schema: {exc}",
                                  param="response_format") from exc
-    return lg.LlamaGrammar.from_string(text.replace(_LOOSE_CHAR, _JSON_CHAR), verbose=False)
+    return lg.LlamaGrammar.from_string(llama_compat.strict_json_strings(text), verbose=False)
 
 
 class LlamaCppBackend(Backend):
@@ -118,7 +114,7 @@ class LlamaCppBackend(Backend):
         context = self.spec.context_length
         # Slots sharing one cache: `context` cells for all; a cache per slot: `context` each.
         fields = {} if slots == 1 else {"n_seq_max": slots, "kv_unified": not per_slot}
-        with _BUILD, _context_params(fields):
+        with llama_compat.context_fields(fields):
             # The model's own mappings of its file are those that appear while it is built (a
             # header reader, or another load of the same file, may map it too).
             mapped_before = file_mappings(self.spec.path)
@@ -134,14 +130,15 @@ class LlamaCppBackend(Backend):
                 verbose=False,
             )
             mapped = file_mappings(self.spec.path) - mapped_before
-        self._llm._n_ctx = context  # one sequence's window, for llama-cpp-python's checks
-        self._llm.eval = _sliced(self._llm.eval, batch_threads)
+        llama_compat.set_sequence_window(self._llm, context)
+        llama_compat.wrap_eval(self._llm, functools.partial(_sliced,
+                                                            batch_threads=batch_threads))
         self._mapped = () if on_gpu else tuple(sorted(mapped))
         self._file = file_identity(self.spec.path)
         self._threads = threads
         self._start_decoder()
         if slots > 1:
-            self._formatter = _chat_formatter(self._llm)
+            self._formatter = llama_compat.chat_formatter(self._llm)
 
     def _start_decoder(self) -> None:
         if self.spec.parallel > 1:
@@ -159,9 +156,7 @@ class LlamaCppBackend(Backend):
         decoder, self._decoder = self._decoder, None
         if decoder is not None:
             decoder.close()
-        llm = self._llm
-        llm._ctx.close()  # llama_free: the KV cache and the compute buffers
-        llm.n_tokens = 0  # nothing of a previous prompt is cached any more
+        llama_compat.free_context(self._llm)  # the KV cache and the compute buffers
         _advise(self._mapped, _MADV_DONTNEED)
         self._released = True
         return True
@@ -169,8 +164,6 @@ class LlamaCppBackend(Backend):
     def restore_weights(self) -> None:
         """Warm -> hot: read the mapped pages back in (from the page cache, or the file), then
         a new context with the same parameters."""
-        from llama_cpp._internals import LlamaContext
-
         if file_identity(self.spec.path) != self._file:
             raise RuntimeError(f"{self.spec.path} changed since it was loaded; replace model "
                                f"files by renaming a new one into place, never by writing "
@@ -181,12 +174,10 @@ class LlamaCppBackend(Backend):
         reader = threading.Thread(target=_populate, args=(self._mapped,),
                                   name="packserve-restore", daemon=True)
         reader.start()
-        llm = self._llm
         try:
-            llm._ctx = LlamaContext(model=llm._model, params=llm.context_params, verbose=False)
+            llama_compat.new_context(self._llm)
         finally:
             reader.join()
-        llm.n_tokens = 0
         self._start_decoder()
         self._released = False
 
@@ -209,7 +200,9 @@ class LlamaCppBackend(Backend):
     def weight_bytes(self) -> int:
         if self._llm is None or self._released:
             return 0
-        return int(self._llm._model.size())
+        import llama_cpp
+
+        return int(llama_cpp.llama_model_size(self._llm.model))
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self._llm.tokenize(t.encode("utf-8"), add_bos=False, special=False))
@@ -217,7 +210,7 @@ class LlamaCppBackend(Backend):
 
     def renders_tools(self) -> bool:
         llm = self._llm
-        if llm.chat_format != "chat_template.default":  # no template: a built-in format
+        if llm.chat_format != llama_compat.TEMPLATE_FORMAT:  # no template: a built-in format
             return False
         return template_renders_tools(str(llm.metadata.get("tokenizer.chat_template", "")))
 
@@ -246,8 +239,8 @@ class LlamaCppBackend(Backend):
         assert isinstance(prompt, str), "this engine does not declare token_ids"
         if not params.echo:
             if self._decoder is not None and prompt:
-                return self._batched(_completion_tokens(self._llm, prompt), params, on_text,
-                                     params.stop, "prompt")
+                return self._batched(llama_compat.completion_tokens(self._llm, prompt),
+                                     params, on_text, params.stop, "prompt")
             return self._run(lambda **kw: self._llm.create_completion(prompt=prompt, **kw),
                              params, on_text, chat=False)
         # No echo with a stream (the route refuses it): `on_text` only says whether to go on.
@@ -311,8 +304,8 @@ class LlamaCppBackend(Backend):
         }
         llm = self._llm
         steps = _Steps(llm, params.logprobs)  # counts the tokens; their logprobs if asked
-        with self._alone(), turn(units=int(llm.n_threads)):
-            llm.sample = steps.recording(type(llm).sample.__get__(llm))
+        with self._alone(), turn(units=int(llm.n_threads)), \
+                llama_compat.sampling_hook(llm, steps.step):
             try:
                 if on_text is None:
                     out = call(stream=False, **kwargs)
@@ -334,8 +327,6 @@ class LlamaCppBackend(Backend):
                     raise InvalidRequest(f"the chat template of {self.name} refused the "
                                          f"messages: {exc}", param="messages") from exc
                 raise
-            finally:
-                del llm.sample  # back to the class's method
 
     def _batched(self, tokens: list[int], params: GenerationParams, on_text: OnText | None,
                  stop: Sequence[str], param: str) -> Generated:
@@ -404,9 +395,12 @@ class _Steps:
     Nothing is kept for the whole context."""
 
     def __init__(self, llm: Any, top: int | None) -> None:
+        import llama_cpp
+
         self._llm = llm
         self.top = top
         self._vocab = int(llm.n_vocab())
+        self._tokens = llama_cpp.llama_model_get_vocab(llm.model)  # the model's vocabulary
         self._pieces: dict[int, bytes] = {}
         self.sampled: list[TokenLogprob] = []  # with `top`: each generated token
         self.count = 0  # tokens generated, end-of-generation excluded
@@ -414,34 +408,29 @@ class _Steps:
 
     def row(self, index: int) -> Any:
         """The log-softmax of the logits at `index` of the last batch (-1: its last token)."""
+        import llama_cpp
         import numpy as np
 
-        logits = np.ctypeslib.as_array(self._llm._ctx.get_logits_ith(index),
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self._llm.ctx, index),
                                        shape=(self._vocab,))
         peak = logits.max()
         total = np.exp(logits - peak).sum(dtype=np.float64)
         return logits - np.float32(peak + np.log(total))
 
-    def recording(self, sample: Any) -> Any:
-        """`Llama.sample` that also counts, and records what `top` asks."""
+    def step(self, index: int, sample: Callable[[], int]) -> int:
+        """One step of llama-cpp-python's generation (`llama_compat.sampling_hook`): `sample()`
+        the token at `index` of the last batch, counted and recorded as `top` asks."""
         from llama_cpp import llama_vocab_is_eog
 
-        llm = self._llm
-
-        def sample_and_record(*args: Any, **kwargs: Any) -> Any:
-            idx = kwargs.get("idx")
-            if not self.count and not self.sampled:
-                self.prompt = int(llm.n_tokens)
-            row = None if self.top is None else self.row(
-                -1 if idx is None else idx - llm.n_tokens)
-            token = sample(*args, **kwargs)
-            if not llama_vocab_is_eog(llm._model.vocab, token):
-                self.count += 1
-                if row is not None:
-                    self.sampled.append(self.entry(row, token))
-            return token
-
-        return sample_and_record
+        if not self.count and not self.sampled:
+            self.prompt = int(self._llm.n_tokens)
+        row = None if self.top is None else self.row(index)
+        token = sample()
+        if not llama_vocab_is_eog(self._tokens, token):
+            self.count += 1
+            if row is not None:
+                self.sampled.append(self.entry(row, token))
+        return token
 
     def entry(self, row: Any, token: int) -> TokenLogprob:
         import numpy as np
@@ -502,63 +491,6 @@ def _populate(ranges: Sequence[tuple[int, int]]) -> None:
         for start, end in ranges:  # kernels before 5.14: touch each page
             for address in range(start, end, _PAGE):
                 ctypes.string_at(address, 1)
-
-
-# Held while a `Llama` is built with `_context_params` (a module attribute, patched meanwhile).
-_BUILD = threading.Lock()
-
-
-@contextlib.contextmanager
-def _context_params(fields: Mapping[str, object]) -> Iterator[None]:
-    """llama-cpp-python's `Llama` takes no `n_seq_max` nor `kv_unified`: while one is built
-    (holding `_BUILD`), the default context parameters it starts from carry `fields`, so its
-    one context is made with them (no second context, no KV cache made and freed)."""
-    import llama_cpp.llama_cpp as low
-
-    module: Any = low
-    real = module.llama_context_default_params
-
-    def with_fields() -> Any:
-        params = real()
-        for name, value in fields.items():
-            setattr(params, name, value)
-        return params
-
-    module.llama_context_default_params = with_fields
-    try:
-        yield
-    finally:
-        module.llama_context_default_params = real
-
-
-def _chat_formatter(llm: Any) -> Any:
-    """The formatter behind llama-cpp-python's handler for the model's own Jinja chat template
-    (as `Llama.__init__` builds it), or None when the model uses a built-in chat format."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    template = llm.metadata.get("tokenizer.chat_template")
-    if llm.chat_format != "chat_template.default" or llm.chat_handler is not None \
-            or not template:
-        return None
-    eos, bos = llm.token_eos(), llm.token_bos()
-    return Jinja2ChatFormatter(template=template,
-                               eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-                               bos_token=llm._model.token_get_text(bos) if bos != -1 else "",
-                               stop_token_ids=[eos])
-
-
-def _completion_tokens(llm: Any, prompt: str) -> list[int]:
-    """The tokens llama-cpp-python's `create_completion` reads for a non-empty text prompt
-    without a suffix: a BOS (or CLS) when the model adds one, the text with special tokens
-    parsed, and an EOS (or SEP) when the model adds one."""
-    model = llm._model
-    cls, sep = model.token_cls(), model.token_sep()
-    bos = cls if cls != -1 else llm.token_bos()
-    head = [bos] if model.add_bos_token() and bos != -1 else []
-    tail = [] if not model.add_eos_token() and sep == -1 else [sep if sep != -1
-                                                               else llm.token_eos()]
-    text: list[int] = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
-    return head + text + tail
 
 
 def _wire(m: Message) -> dict[str, Any]:

@@ -60,6 +60,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from packserve.backends import llama_compat
+from packserve.backends.llama_compat import SAMPLE_MIN_P, SAMPLE_TOP_K
 from packserve.core.backend import Generated, OnText, TokenLogprob
 from packserve.core.compute import Ticket, batch_turn, token_made
 
@@ -67,9 +69,6 @@ from packserve.core.compute import Ticket, batch_turn, token_made
 # path likewise), so that a more urgent call (an embedding) waits for one slice of somebody
 # else's prompt, not the whole of it (core.compute).
 PROMPT_SLICE = 32
-SAMPLE_TOP_K = 40  # llama-cpp-python's defaults for create_completion / create_chat_completion
-SAMPLE_MIN_P = 0.05
-PENALTY_LAST_N = 64  # llama-cpp-python's last_n_tokens_size
 
 log = logging.getLogger("packserve.llama")
 
@@ -95,7 +94,7 @@ class Job:
     top_p: float = 1.0
     top_k: int = SAMPLE_TOP_K
     min_p: float = SAMPLE_MIN_P
-    repeat_penalty: float = 1.0  # with the two below, over the last PENALTY_LAST_N tokens
+    repeat_penalty: float = 1.0  # with the next two: over llama_compat.PENALTY_LAST_N tokens
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int | None = None
@@ -148,13 +147,12 @@ class BatchDecoder:
         self._llm = llm
         self._units = (threads, batch_threads)
         self._shared = unified
-        self._ctx = llm._ctx
+        self._handle = llm.ctx  # the raw llama_context, the `Llama`'s until it is closed
         self.slots = slots
-        self.context = int(llama_cpp.llama_n_ctx_seq(self._ctx.ctx))
-        params = self._ctx.params
-        self._n_batch = int(params.n_batch)
+        self.context = int(llama_cpp.llama_n_ctx_seq(self._handle))
+        self._n_batch = int(llm.context_params.n_batch)
         self._batch = llama_cpp.llama_batch_init(self._n_batch, 0, 1)
-        self._vocab = llm._model.vocab
+        self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
         self._pieces: dict[int, bytes] = {}
         self._cond = threading.Condition()
         self._queue: list[_Seq] = []
@@ -240,7 +238,7 @@ class BatchDecoder:
 
     def _clear(self) -> None:
         self._llm.reset()
-        self._ctx.kv_cache_seq_rm(-1, 0, -1)
+        llama_compat.drop_cells(self._llm, -1, 0)  # -1: sequence 0 (drop_cells' quirk)
         self._cached = [[] for _ in range(self.slots)]
 
     def close(self) -> None:
@@ -336,37 +334,20 @@ class BatchDecoder:
         is read, so there are logits to sample from); build the sampler on first admission."""
         cached = self._cached[seq.slot]
         keep = min(_common(cached, seq.history), len(seq.history) - 1)
-        self._ctx.kv_cache_seq_rm(seq.slot, keep, -1)
+        llama_compat.drop_cells(self._llm, seq.slot, keep)
         del cached[keep:]
         seq.pending = seq.history[keep:]
         if seq.sampler is None:
             seq.sampler = self._sampler(seq.job)
 
     def _sampler(self, job: Job) -> Any:
-        """The chain llama-cpp-python's `Llama._init_sampler` builds for these settings (its
-        penalties left out when they change nothing), with the job's own seed."""
-        from llama_cpp import _internals
-
-        internals: Any = _internals  # its classes are untyped
-        sampler = internals.LlamaSampler()
-        if (job.repeat_penalty, job.frequency_penalty, job.presence_penalty) != (1.0, 0.0, 0.0):
-            sampler.add_penalties(self._llm.n_vocab(), PENALTY_LAST_N, job.repeat_penalty,
-                                  job.frequency_penalty, job.presence_penalty)
-        if job.grammar is not None:
-            sampler.add_grammar(self._llm._model, job.grammar)
-        seed = job.seed if job.seed is not None else random.randrange(2**32)
-        if job.temperature < 0:
-            sampler.add_dist(seed)
-        elif job.temperature == 0:
-            sampler.add_greedy()
-        else:
-            sampler.add_top_k(job.top_k)
-            sampler.add_typical(1.0, 1)
-            sampler.add_top_p(job.top_p, 1)
-            sampler.add_min_p(job.min_p, 1)
-            sampler.add_temp(job.temperature)
-            sampler.add_dist(seed)
-        return sampler
+        """The chain llama-cpp-python would sample `job` with, with the job's own seed."""
+        return llama_compat.sampler_chain(
+            self._llm, temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
+            min_p=job.min_p, repeat_penalty=job.repeat_penalty,
+            frequency_penalty=job.frequency_penalty, presence_penalty=job.presence_penalty,
+            grammar=job.grammar,
+            seed=job.seed if job.seed is not None else random.randrange(2**32))
 
     # ..................................................................... one step
 
@@ -383,13 +364,13 @@ class BatchDecoder:
         if not idle:
             return False
         i = min(idle, key=lambda j: self._last_use[j])
-        self._ctx.kv_cache_seq_rm(i, 0, -1)
+        llama_compat.drop_cells(self._llm, i, 0)
         self._cached[i] = []
         return True
 
     def _preempt(self, seq: _Seq) -> None:
         """Drop `seq`'s cells and queue it first, to read its history again later."""
-        self._ctx.kv_cache_seq_rm(seq.slot, 0, -1)
+        llama_compat.drop_cells(self._llm, seq.slot, 0)
         self._cached[seq.slot] = []
         with self._cond:
             self._busy[seq.slot] = None
@@ -458,7 +439,7 @@ class BatchDecoder:
         self._steps += 1
         units = self._units[0] if n == 1 else self._units[1]
         with batch_turn((s.job.ticket for s, _ in reads), units):
-            rc = llama_cpp.llama_decode(self._ctx.ctx, batch)
+            rc = llama_cpp.llama_decode(self._handle, batch)
             if rc == 1 and len(reads) > 1:  # no room in the cache after all: retry smaller
                 self._preempt(max((s for s, _ in reads), key=lambda s: s.admitted))
                 return
@@ -475,7 +456,7 @@ class BatchDecoder:
     def _sample(self, seq: _Seq, index: int) -> int:
         rec = seq.job.recorder
         row = rec.row(index) if rec is not None else None
-        token = int(seq.sampler.sample(self._ctx, index))
+        token = llama_compat.sample(self._llm, seq.sampler, index)
         if rec is not None and not self._is_end(token):
             seq.logprobs.append(rec.entry(row, token))
         return token
@@ -538,7 +519,7 @@ class BatchDecoder:
 
     def _fail(self, seqs: list[_Seq], exc: Exception) -> None:
         for seq in seqs:
-            self._ctx.kv_cache_seq_rm(seq.slot, 0, -1)
+            llama_compat.drop_cells(self._llm, seq.slot, 0)
             self._cached[seq.slot] = []
             with self._cond:
                 if self._busy[seq.slot] is seq:
