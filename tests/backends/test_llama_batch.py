@@ -162,6 +162,21 @@ def test_four_streams_sharing_one_cache_keep_their_own_stops_and_grammar(
 
 
 @pytest.mark.real
+def test_the_one_sequence_path_gets_the_whole_shared_cache(batched: LlamaCppBackend) -> None:
+    """Streams leave their prompts cached in their slots; a one-sequence call (echo scoring,
+    here) runs with every slot's cells dropped, as the decoder's record of them says."""
+    import llama_cpp
+
+    _together(batched, ASKS)
+    decoder = batched._decoder
+    assert decoder is not None
+    memory = llama_cpp.llama_get_memory(batched._llm.ctx)
+    assert max(llama_cpp.llama_memory_seq_pos_max(memory, s) for s in range(4)) >= 0
+    with decoder.exclusive():
+        assert [llama_cpp.llama_memory_seq_pos_max(memory, s) for s in range(4)] == [-1] * 4
+
+
+@pytest.mark.real
 def test_one_at_a_time_answers_are_llama_cpp_pythons_own(tmp_path: Path) -> None:
     # A fresh load: a prefix cached while other sequences shared its batches carries their
     # rounding (see the module doc of llama_batch), and would be reused here.

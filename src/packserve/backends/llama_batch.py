@@ -237,8 +237,13 @@ class BatchDecoder:
                 self._cond.notify_all()
 
     def _clear(self) -> None:
+        """Empty the cache of every sequence: the one-sequence path gets all of it. (The
+        context's `kv_cache_seq_rm(-1, ...)` that `Llama` uses reads -1 as sequence 0 and left
+        the other slots' cells taken; llama.cpp's own call reads it as every sequence.)"""
+        import llama_cpp
+
         self._llm.reset()
-        llama_compat.drop_cells(self._llm, -1, 0)  # -1: sequence 0 (drop_cells' quirk)
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self._llm.ctx), -1, 0, -1)
         self._cached = [[] for _ in range(self.slots)]
 
     def close(self) -> None:
