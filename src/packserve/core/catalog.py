@@ -2,7 +2,8 @@
 
 Pure: `diff` compares the running catalog with the new entries, `check_devices` and
 `check_pins` refuse a catalog that cannot run, all over plain data. The scheduler applies the
-answer (`Scheduler.reconfigure`), synchronously, so no request sees half of it.
+answer (`Residency.swap`, called by `Scheduler.reconfigure`), synchronously, so no request
+sees half of it.
 """
 
 from __future__ import annotations

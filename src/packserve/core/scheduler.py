@@ -10,9 +10,11 @@ Vocabulary: a *model* is a catalog entry (the name clients send, `core.queue.Mod
 *resident* is one set of weights on one device (`core.resident`); catalog entries with the
 same `LoadSpec` share one resident. Memory, states and eviction are per resident; quotas per
 model. A request goes acquire -> ensure hot -> load -> admit -> evict; its states move along
-`core.resident.TRANSITIONS` (drawn in docs/scheduling.md). The scheduler decides; the engine
-calls run in `core.loader`, the queue in `core.queue`, the catalog diff in `core.catalog`, pin
-retries in `core.pins`.
+`core.resident.TRANSITIONS` (drawn in docs/scheduling.md). The scheduler decides and applies;
+the tables it decides over, their policy snapshots and status views are `core.residency`; the
+engine calls run in `core.loader`, moves between tiers in `core.tiers`, the queue in
+`core.queue`, the catalog diff in `core.catalog`, pin retries in `core.pins`, background tasks
+and the memory-changed signal in `core.background`, a request's accounting in `core.lease`.
 
 Invariants (all state lives on the event loop thread; only backend calls run in threads):
 - `res.leases` counts requests that hold or wait for the resident; a resident with leases is
@@ -39,60 +41,38 @@ import functools
 import logging
 import math
 import time
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Coroutine,
-    Iterable,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from packserve.config import ModelSpec
-from packserve.core import catalog
 from packserve.core.backend import BackendFactory, LoadSpec
-from packserve.core.catalog import DeviceBudget, Entry, Listed, ReconfigureReport
+from packserve.core.background import Background, Changed
+from packserve.core.catalog import DeviceBudget, Entry, ReconfigureReport
 from packserve.core.events import (
-    CLIENT_CLOSED,
     Event,
     EventSink,
     EvictEvent,
     LoadEvent,
     LoadFailedEvent,
     LoadStartEvent,
-    RequestEvent,
     RequestStartEvent,
     log_event,
 )
-from packserve.core.lease import Lease
+from packserve.core.lease import Lease, Visit
 from packserve.core.loader import FootprintStore, Loader, is_memory_failure
 from packserve.core.memory import MemoryProbe
 from packserve.core.pins import PinKeeper
-from packserve.core.policy import (
-    Admission,
-    CostAware,
-    ResidentView,
-    Verdict,
-    VictimPolicy,
-    arrival_rate,
-    explain_victim,
-    pins_fit,
-    plan_admission,
-    policy_name,
-)
+from packserve.core.policy import Admission, Verdict, VictimPolicy, explain_victim, policy_name
 from packserve.core.queue import Model, hold, release_holds, wait_turn
+from packserve.core.residency import Residency
 from packserve.core.resident import Resident
-from packserve.core.status import DeviceStatus, ModelStatus, PinStatus, Readiness
+from packserve.core.status import DeviceStatus, ModelStatus, Readiness
 from packserve.core.tiers import Tiers
 from packserve.errors import (
     ConfigError,
     Conflict,
-    ModelNotFound,
     ModelUnavailable,
     NeverFits,
-    PackserveError,
     PinsDoNotFit,
     QueueFull,
     TaskNotSupported,
@@ -106,15 +86,6 @@ T = TypeVar("T")
 
 QUARANTINE_RETRY_AFTER_S = 60  # a quarantined model waits for an operator; clients back off
 LOCK_RETRY_AFTER_S = 5
-
-def _outcome(exc: BaseException) -> tuple[int, str]:
-    """The status and outcome a request that ended with `exc` is counted with."""
-    if isinstance(exc, asyncio.CancelledError):
-        return CLIENT_CLOSED, "client_closed"
-    if isinstance(exc, PackserveError):
-        return exc.status, type(exc).__name__
-    return 500, type(exc).__name__
-
 
 class Scheduler:
     """Decides and applies residency. Construct with injected seams; call `start()` on the loop."""
@@ -141,40 +112,29 @@ class Scheduler:
         load_turn: float = 0.0,
     ) -> None:
         self._clock = clock
-        self._wall_offset = wall_clock() - clock()
         self._load_wait_s = load_wait_s
         self._cooldown_s = failure_cooldown_s
-        # packserve's rule, or one per device (the config's `eviction`); the bench swaps in
-        # other engines' rules.
-        self._policies: Mapping[str, VictimPolicy] | None = (
-            victim_policy if isinstance(victim_policy, Mapping) else None)
-        self._default_policy: VictimPolicy = (
-            victim_policy if victim_policy is not None and not isinstance(victim_policy, Mapping)
-            else CostAware())
         self._check_files = check_files  # before every load; the server checks headers
-        # Devices whose evictions keep an engine's objects and give back only its weights.
-        self._warm_tier = frozenset(warm_tier)
         # A load waiting for busy models takes its turn once one of its requests has waited this
         # fraction of its SLO, and holds their new requests, each for at most this fraction of
         # its own (0: they go ahead; `acquire` without an SLO counts `load_wait_s` as one).
         self._load_turn = load_turn
         self._sinks = list(sinks)
-        self._devices = {d.name: d for d in devices}
+        devices = list(devices)
         # Loads, unloads and footprint writes run on the loader's executor.
         self._loader = Loader(factory, probe, store or FootprintStore(None),
-                              devices=len(self._devices), nice=load_nice)
-        self._residents: dict[str, Resident] = {}
-        self._models: dict[str, Model] = {}
-        catalog.check_devices(entries, self._devices)
-        self._apply(entries, {e.load.key: self._loader.store.get(e.load) for e in entries},
-                    catalog.diff({}, entries))
-        self._device_locks = {name: asyncio.Lock() for name in self._devices}
-        self._memory_changed = asyncio.Event()
+                              devices=len(devices), nice=load_nice)
+        self._residency = Residency(
+            entries, devices, {e.load.key: self._loader.store.get(e.load) for e in entries},
+            clock=clock, wall_offset=wall_clock() - clock(), victim_policy=victim_policy,
+            warm_tier=warm_tier, turns=load_turn > 0)
+        self._device_locks = {d.name: asyncio.Lock() for d in devices}
+        self._changed = Changed()  # memory changed, or a model went idle
         self._tiers = Tiers(self._loader, clock=clock, emit=self._emit,
-                            changed=self._signal_memory)
-        self._background: set[asyncio.Task[None]] = set()  # pin retries, retirements
+                            changed=self._changed.fire)
+        self._background = Background()  # pin retries, retirements
         self._pins = PinKeeper(functools.partial(self._ensure_hot, ignore_cooldown=True),
-                               self._spawn, lambda name: self._models.get(name),
+                               self._background.spawn, self._listed,
                                clock=clock, sleep=sleep, retry_s=pin_retry_s)
         self._reconfiguring = asyncio.Lock()
         self._closing = False
@@ -186,18 +146,13 @@ class Scheduler:
 
     def check_pins(self) -> None:
         """Raise PinsDoNotFit if the pinned models of any device cannot fit together."""
-        for dev in self._devices.values():
-            pinned = [self._view(r) for r in self._residents.values()
-                      if r.load.device == dev.name and self._is_pinned(r)]
-            reason = pins_fit(pinned, dev.capacity_bytes)
-            if reason:
-                raise PinsDoNotFit(reason)
+        self._residency.check_pins()
 
     async def start(self) -> None:
         """Check and load the pins. A pin that fails to load leaves the server up but not ready
         and is retried in the background with backoff; `ready()` says why and when."""
         self.check_pins()
-        await self._pins.load([m for m in self._models.values() if m.pinned])
+        await self._pins.load([m for m in self._residency.models.values() if m.pinned])
         # What starting allocated and freed (config, catalog, imports) goes back to the OS,
         # heap that glibc would otherwise keep for the idle worker's whole life.
         await asyncio.to_thread(self._loader.probe.release, "cpu")
@@ -208,14 +163,14 @@ class Scheduler:
         Called once, at shutdown. Requests still waiting for a load get ModelUnavailable.
         """
         self._closing = True
-        for task in list(self._background):
-            task.cancel()
-        loads = [r.flight.task for r in self._residents.values() if r.flight.task is not None]
-        for res in self._residents.values():
+        background = self._background.cancel()
+        residents = list(self._residency.residents.values())
+        loads = [r.flight.task for r in residents if r.flight.task is not None]
+        for res in residents:
             if res.flight.task is not None and res.flight.abandonable:
                 res.flight.task.cancel()
-        await asyncio.gather(*self._background, *loads, return_exceptions=True)
-        for res in list(self._residents.values()):
+        await asyncio.gather(*background, *loads, return_exceptions=True)
+        for res in list(self._residency.residents.values()):
             if res.state not in (State.HOT, State.WARM):
                 continue
             if res.leases:  # unloading an engine in use could crash it; the process ends anyway
@@ -246,70 +201,52 @@ class Scheduler:
         with status 499, outcome "client_closed"; the load it may have started goes on if the
         engine already runs it (see `_load`).
         """
-        model = self._model(name)
+        model = self._residency.model(name)
         if task not in model.spec.tasks:
             raise TaskNotSupported(
                 f"model {name!r} does not do {task.value}; it does "
                 f"{', '.join(t.value for t in model.spec.tasks)}", param="model")
         res = model.resident
-        device = res.load.device
-        t_enter = self._clock()
-        res.arrivals.append(t_enter)
+        slo = self._load_wait_s if slo_s is None else slo_s  # without one, load_wait_s
+        visit = Visit(model=name, task=task, device=res.load.device, request_id=request_id,
+                      key=key, entered=self._clock())
+        res.arrivals.append(visit.entered)
         try:
             await model.take(key, weight)
             try:
-                await wait_turn(res, t_enter, self._slo(slo_s), self._load_turn)
+                await wait_turn(res, visit.entered, slo, self._load_turn)
             except BaseException:
                 model.give()
                 raise
         except (QueueFull, asyncio.CancelledError) as exc:
-            status, outcome = _outcome(exc)
-            self._emit(RequestEvent(
-                model=name, task=task.value, device=device,
-                queue_seconds=self._clock() - t_enter, load_seconds=0.0, inference_seconds=0.0,
-                status=status, outcome=outcome, request_id=request_id, key=key))
-            self._signal_memory()  # a retiring model may have become idle
+            self._emit(visit.event(self._clock(), exc, slo))
+            self._changed.fire()  # a retiring model may have become idle
             raise
         res.leases += 1
-        t_slot = self._clock()
-        t_ready = t_slot
-        status, outcome = 200, "ok"
-        lease: Lease | None = None
+        visit.slot = self._clock()
+        error: BaseException | None = None
         try:
-            slo = self._slo(slo_s)
-            await self._ensure_hot(res, due=(t_enter + slo, t_enter + self._load_turn * slo,
-                                             slo))
-            t_ready = self._clock()
+            await self._ensure_hot(res, due=(visit.entered + slo,
+                                             visit.entered + self._load_turn * slo, slo))
+            visit.ready = self._clock()
             assert res.runner is not None
-            lease = Lease(model=name, task=task, runner=res.runner, clock=self._clock)
-            self._emit(RequestStartEvent(model=name, task=task.value, device=device,
+            visit.lease = Lease(model=name, task=task, runner=res.runner, clock=self._clock)
+            self._emit(RequestStartEvent(model=name, task=task.value, device=res.load.device,
                                          request_id=request_id, key=key))
-            yield lease
+            yield visit.lease
         except BaseException as exc:
-            status, outcome = _outcome(exc)
+            error = exc
             raise
         finally:
             t_done = self._clock()
             res.leases -= 1
             res.last_used = t_done
             model.give()
-            if outcome == "ok":
-                model.served(t_done - t_ready)
+            if error is None:
+                model.served(t_done - (visit.ready or visit.slot))
             # Loads waiting for memory and retiring residents wait for requests to end.
-            self._signal_memory()
-            self._emit(RequestEvent(
-                model=name, task=task.value, device=device, queue_seconds=t_slot - t_enter,
-                load_seconds=t_ready - t_slot, inference_seconds=t_done - t_ready,
-                status=status, outcome=outcome,
-                prompt_tokens=lease.prompt_tokens if lease else 0,
-                completion_tokens=lease.completion_tokens if lease else 0,
-                started=lease is not None, request_id=request_id, key=key,
-                first_token_seconds=None if lease is None or lease.first_token_at is None
-                else lease.first_token_at - t_enter, slo_s=self._slo(slo_s)))
-
-    def _slo(self, slo_s: float | None) -> float:
-        """A request's SLO; `load_wait_s` for a caller that gives none."""
-        return self._load_wait_s if slo_s is None else slo_s
+            self._changed.fire()
+            self._emit(visit.event(t_done, error, slo))
 
     # ----------------------------------------------------------------- loading
 
@@ -401,17 +338,17 @@ class Scheduler:
         except _Abandoned:
             log.debug("load of %s abandoned: nobody waits for it any more", res.label)
         finally:
-            release_holds(res, self._residents)
+            release_holds(res, self._residency.residents)
             res.flight.reset_deadlines()
             res.flight.task = None
             res.flight.abandonable = False
             if res.state in (State.ADMITTING, State.LOADING):
                 res.move(res.at_rest())
-                self._signal_memory()
+                self._changed.fire()
 
     async def _admit_and_load(self, res: Resident) -> None:
-        device = self._devices[res.load.device]
-        cap = self._memory_cap(res)
+        device = self._residency.devices[res.load.device]
+        cap = self._residency.memory_cap(res)
         if cap is not None and res.bytes > cap:
             raise NeverFits(f"model {res.label} needs {format_bytes(res.bytes)}, over its "
                             f"max_memory quota of {format_bytes(cap)}")
@@ -434,7 +371,7 @@ class Scheduler:
                 return
             changed, retried = waiting
             await self._abandonable(res, functools.partial(
-                self._wait_memory, deadline - self._clock(), changed))
+                Changed.wait, changed, deadline - self._clock()))
 
     async def _admit_under_lock(self, res: Resident, device: str, deadline: float,
                                 retried: bool) -> tuple[asyncio.Event, bool] | None:
@@ -444,7 +381,7 @@ class Scheduler:
         async with self._device_lock(device, f"model {res.label}", deadline=deadline, res=res):
             while True:
                 self._check_wanted(res)  # every waiter gone before the engine started: stop
-                admission = self._admission(res)
+                admission = self._residency.admission(res)
                 if admission.verdict is Verdict.NEVER_FITS:
                     raise NeverFits(admission.reason)
                 if admission.verdict is Verdict.WAIT_FOR_BUSY:
@@ -452,17 +389,17 @@ class Scheduler:
                         raise ModelUnavailable(
                             f"model {res.label} timed out after {self._load_wait_s:g}s waiting "
                             f"for memory: {admission.reason}", retry_after_s=LOCK_RETRY_AFTER_S)
-                    hold(res, admission.draining, self._residents, self._clock())
-                    return self._memory_changed, retried
+                    hold(res, admission.draining, self._residency.residents, self._clock())
+                    return self._changed.event, retried
                 if admission.victims:
                     # One at a time, then plan again: a request may lease the next victim
                     # while this one unloads.
-                    await self._evict(self._residents[admission.victims[0]],
+                    await self._evict(self._residency.residents[admission.victims[0]],
                                       f"make room for {res.label}", cause="make_room",
                                       cold=admission.to_cold)
                     continue
                 res.move(State.LOADING)
-                release_holds(res, self._residents)
+                release_holds(res, self._residency.residents)
                 t_load = self._clock()
                 try:
                     await self._materialize(res)
@@ -479,14 +416,15 @@ class Scheduler:
                     self._emit(LoadFailedEvent(model=res.label, device=device,
                                                bytes=res.bytes, seconds=self._clock() - t_load,
                                                reason=reason, will_retry=True))
-                    victims = self._retry_victims(res)
+                    victims = self._residency.retry_victims(res)
                     log.warning("load of %s ran out of memory (%s); unloading %s and retrying "
                                 "once", res.label, reason,
-                                ", ".join(self._residents[k].label for k in victims) or "nothing")
+                                ", ".join(self._residency.residents[k].label for k in victims)
+                                or "nothing")
                     for key in victims:
                         self._check_wanted(res)
-                        victim = self._residents.get(key)
-                        if victim is not None and self._view(victim).evictable:
+                        victim = self._residency.residents.get(key)
+                        if victim is not None and self._residency.view(victim).evictable:
                             await self._evict(victim, f"free memory to retry {res.label}",
                                               cause="memory_retry", cold=True)
 
@@ -502,24 +440,6 @@ class Scheduler:
             f"model {res.label} failed to load{' twice' if twice else ''}: {reason}",
             retry_after_s=int(self._cooldown_s) + 1)
 
-    def _retry_victims(self, res: Resident) -> tuple[str, ...]:
-        """Whom to unload before retrying a load of `res` that ran out of memory.
-
-        Admission said `res` fit and the engine still could not allocate, so the free figure
-        cannot be trusted (other processes, fragmentation, an estimate too low): the shortfall
-        is unknown, but the load never needs more than its own footprint. So the victim policy
-        is asked to free that much again, counting nothing as free; if the idle models hold
-        less, all of them go, still in the policy's order.
-        """
-        others = [dataclasses.replace(self._view(r), goes_warm=False)  # they go cold
-                  for r in self._residents.values()
-                  if r is not res and r.load.device == res.load.device]
-        policy = self._policy(res.load.device)
-        victims = policy(others, res.bytes, 0)
-        if victims is None:
-            victims = policy(others, sum(v.frees for v in others if v.evictable), 0)
-        return victims or ()
-
     async def _materialize(self, res: Resident) -> None:
         """LOADING -> HOT: run the engine's load (or restore its warm copy) and publish it. Must
         hold the device lock.
@@ -533,8 +453,7 @@ class Scheduler:
         t0 = self._clock()
 
         # No other model's objects alive: the live ones may be frozen out of the collector.
-        alone = not any(self._view(r).holds_memory or r.warm.kept
-                        for r in self._residents.values() if r is not res)
+        alone = not self._residency.holds_others(res)
         self._emit(LoadStartEvent(model=res.label, device=device))
         backend, measured = await self._loader.build(res.load, settle=alone, turn=turn)
         seconds = self._clock() - t0
@@ -546,8 +465,8 @@ class Scheduler:
         measured = max(measured, res.peak_here or 0)
         res.peak_here = measured
         res.measured = measured
-        cap = self._memory_cap(res)
-        budget = self._devices[device].capacity_bytes
+        cap = self._residency.memory_cap(res)
+        budget = self._residency.devices[device].capacity_bytes
         if (cap is not None and measured > cap) or measured > budget:
             limit = (f"its max_memory quota of {format_bytes(cap)}"
                      if cap is not None and measured > cap
@@ -565,7 +484,7 @@ class Scheduler:
                              bytes_measured=measured, seconds=seconds, reason="first use"))
         await self._shed(device, f"{res.label} measured more than its estimate",
                          cause="overshoot", keep=res)
-        self._signal_memory()
+        self._changed.fire()
 
     # ----------------------------------------------------------------- unloading
 
@@ -575,24 +494,19 @@ class Scheduler:
         tier and its engine a warm state (unless `cold`: warm copies would leave too little
         room), else to cold; warm to cold. Must hold the lock."""
         if res.state is State.ADMITTING:  # its load waits for memory: only its copy goes
-            view = self._view(res)
-            policy = self._policy(res.load.device)
+            view = self._residency.view(res)
+            policy = self._residency.policy(res.load.device)
             await self._tiers.drop_warm(res)
             self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=view.frees,
                                   seconds=0.0, reason=reason, cause=cause,
                                   policy=policy_name(policy),
                                   why=explain_victim(policy, view), tier_to="cold"))
             return
-        warm = not cold and res.state is State.HOT and self._goes_warm(res)
-        policy = self._policy(res.load.device)  # it chose: the event says why
-        why = explain_victim(policy, dataclasses.replace(self._view(res), goes_warm=warm))
+        warm = not cold and res.state is State.HOT and self._residency.goes_warm(res)
+        policy = self._residency.policy(res.load.device)  # it chose: the event says why
+        why = explain_victim(policy, dataclasses.replace(self._residency.view(res), goes_warm=warm))
         await self._tiers.evict_to(res, State.WARM if warm else State.COLD, reason, cause=cause,
                                    policy=policy_name(policy), why=why)
-
-    def _goes_warm(self, res: Resident) -> bool:
-        """Whether an eviction of `res` now would try the warm tier."""
-        return (res.load.device in self._warm_tier and res.warm.possible is not False
-                and res.quarantine is None and bool(res.models))
 
     async def _retire(self, res: Resident, reason: str) -> None:
         """Unload `res` once nothing uses it, because it was quarantined or removed from the
@@ -607,7 +521,7 @@ class Scheduler:
 
     async def _retire_when_idle(self, res: Resident, reason: str) -> None:
         while res.quarantine is not None or not res.models:
-            changed = self._memory_changed  # taken before looking, so no signal is missed
+            changed = self._changed.event  # taken before looking, so no signal is missed
             busy = bool(res.leases or res.flight.task or any(not m.idle for m in res.retired))
             if not busy and res.state in (State.HOT, State.WARM):
                 try:
@@ -619,8 +533,7 @@ class Scheduler:
                     log.warning("%s; trying again when the device is free", exc.message)
                 continue
             if not busy and res.state is not State.UNLOADING:
-                if not res.models and self._residents.get(res.key) is res:
-                    del self._residents[res.key]
+                self._residency.forget(res)
                 return
             await changed.wait()
 
@@ -650,32 +563,11 @@ class Scheduler:
         finally:
             lock.release()
 
-    def _signal_memory(self) -> None:
-        """Wake whoever waits for memory or for models to go idle: a load, a retirement."""
-        self._memory_changed.set()
-        self._memory_changed = asyncio.Event()
-
-    async def _wait_memory(self, seconds: float, changed: asyncio.Event | None = None) -> None:
-        """Until memory changes (`changed`: an event taken earlier, so no signal is missed)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for((changed or self._memory_changed).wait(), max(0.0, seconds))
-
-    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
-        """Start scheduler-owned background work; `close()` cancels it."""
-        task = asyncio.create_task(coro, name=name)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s failed", task.get_name(), exc_info=task.exception())
-
     # ----------------------------------------------------------------- admin
 
     async def load(self, name: str) -> None:
         """Operator action: load `name` now, clearing a failed state (cooldown or quarantine)."""
-        res = self._model(name).resident
+        res = self._residency.model(name).resident
         res.quarantine = None
         res.failed_until = 0.0
         if res.state is State.FAILED:
@@ -685,8 +577,8 @@ class Scheduler:
     async def unload(self, name: str) -> None:
         """Operator action: unload `name` if it is hot and idle. Conflict if pinned or busy;
         ModelUnavailable if its device stays busy with other loads for load_wait_s."""
-        res = self._model(name).resident
-        if self._is_pinned(res):
+        res = self._residency.model(name).resident
+        if self._residency.is_pinned(res):
             raise Conflict(f"model {res.label} is pinned; unpin it first")
         async with self._device_lock(res.load.device, f"unloading {res.label}"):
             if res.state not in (State.HOT, State.WARM):
@@ -699,8 +591,8 @@ class Scheduler:
         """Operator action: move `name` from hot to the next tier down now, whether or not its
         device evicts to the warm tier: warm if its engine can keep its objects without its
         weights, else cold (the answer's state says which). Conflict if pinned or busy."""
-        res = self._model(name).resident
-        if self._is_pinned(res):
+        res = self._residency.model(name).resident
+        if self._residency.is_pinned(res):
             raise Conflict(f"model {res.label} is pinned; unpin it first")
         async with self._device_lock(res.load.device, f"offloading {res.label}"):
             if res.state is not State.HOT:
@@ -713,7 +605,7 @@ class Scheduler:
     async def pin(self, name: str) -> None:
         """Operator action: keep `name` loaded. If its load fails the pin is rolled back and the
         error raised: the operator sees it at once, and nothing retries behind their back."""
-        model = self._model(name)
+        model = self._residency.model(name)
         if model.pinned:
             await self._ensure_hot(model.resident, ignore_cooldown=True)
             return
@@ -730,7 +622,7 @@ class Scheduler:
             raise
 
     def unpin(self, name: str) -> None:
-        self._model(name).pinned = False
+        self._residency.model(name).pinned = False
 
     def quarantine(self, name: str, reason: str) -> None:
         """Mark `name`'s weights FAILED with `reason` until an operator loads them again.
@@ -739,23 +631,19 @@ class Scheduler:
         New requests get ModelUnavailable naming the model and the reason; requests holding a
         lease finish, then the weights are unloaded.
         """
-        res = self._model(name).resident
+        res = self._residency.model(name).resident
         res.quarantine = reason
         res.error = reason
         if res.state is State.COLD:
             res.move(State.FAILED)
         elif res.state is not State.FAILED:
-            self._spawn(self._retire(res, f"quarantined: {reason}"),
+            self._background.spawn(self._retire(res, f"quarantined: {reason}"),
                         f"packserve quarantine {res.label}")
 
     def plan(self, name: str) -> Admission:
         """The dry run: what loading `name` now would evict, and why. Changes nothing."""
-        res = self._model(name).resident
-        answer = self._admission(res)
-        # Policy speaks in resident keys; operators know catalog names.
-        return dataclasses.replace(answer, target=res.label, victims=tuple(
-            self._residents[k].label for k in answer.victims), draining=tuple(
-            self._residents[k].label for k in answer.draining))
+        res = self._residency.model(name).resident
+        return self._residency.labelled(self._residency.admission(res), res)
 
     # ----------------------------------------------------------------- reload
 
@@ -775,81 +663,27 @@ class Scheduler:
         models until it fits.
         """
         async with self._reconfiguring:
-            budgets = dict(self._devices)
-            if devices is not None:
-                budgets = {d.name: d for d in devices}
-                if set(budgets) != set(self._devices):
-                    raise ConfigError(
-                        f"devices cannot be added or removed without a restart (running: "
-                        f"{', '.join(sorted(self._devices))}; asked: "
-                        f"{', '.join(sorted(budgets))})")
-            catalog.check_devices(entries, budgets)
-            new_keys = {e.load.key: e.load for e in entries if e.load.key not in self._residents}
-            measured = {k: await self._loader.run(self._loader.store.get, load)
-                        for k, load in new_keys.items()}
+            budgets = self._residency.check(entries, devices)
+            measured = {k: await self._loader.run(self._loader.store.get, e.load)
+                        for k, e in self._residency.new_loads(entries).items()}
             # From here on nothing awaits until the catalog is swapped: no request sees half.
-            change = catalog.diff({n: Listed(key=m.resident.key, spec=m.spec, pinned=m.pinned,
-                                             estimated=m.estimated)
-                                   for n, m in self._models.items()}, entries)
-            catalog.check_pins(entries, change.pinned,
-                               {**measured, **{k: r.measured for k, r in self._residents.items()}},
-                               {k: r.estimated for k, r in self._residents.items()}, budgets)
-            shrunk = [d for d, b in budgets.items()
-                      if b.capacity_bytes < self._devices[d].capacity_bytes]
-            self._devices = budgets
-            self._apply(entries, measured, change)
-            report = change.report
-            for model in self._models.values():
-                model.fill()
-            for res in list(self._residents.values()):
+            report, shrunk = self._residency.swap(entries, budgets, measured)
+            for res in list(self._residency.residents.values()):
                 if not res.models:
-                    self._spawn(self._retire(res, "removed from the config"),
+                    self._background.spawn(self._retire(res, "removed from the config"),
                                 f"packserve retire {res.label}")
-            self._signal_memory()  # a larger budget may admit a waiting load
+            self._changed.fire()  # a larger budget may admit a waiting load
             for device in shrunk:
                 try:
                     await self._fit_budget(device)
                 except ModelUnavailable as exc:
                     log.warning("%s; %s stays over its new budget for now", exc.message, device)
-            await self._pins.load([m for m in self._models.values()
+            await self._pins.load([m for m in self._residency.models.values()
                                    if m.pinned and m.resident.state is not State.HOT
                                    and self._pins.get(m.spec.name) is None])
             log.info("reconfigured: added %s, removed %s, changed %s",
                      list(report.added), list(report.removed), list(report.changed))
             return report
-
-    def _apply(self, entries: Sequence[Entry], measured: Mapping[str, int | None],
-               change: catalog.CatalogDiff) -> None:
-        """Swap the catalog for `entries`, as `change` says. Synchronous: no request can see
-        half of it."""
-        old = self._models
-        models: dict[str, Model] = {}
-        for e in entries:
-            name = e.spec.name
-            res = self._residents.get(e.load.key)
-            if res is None:
-                res = Resident(load=e.load, models=[], estimated=e.bytes_estimated,
-                               measured=measured.get(e.load.key))
-                self._residents[e.load.key] = res
-            if name in change.kept:
-                model = old[name]
-                model.spec, model.estimated = e.spec, e.bytes_estimated
-                model.pinned = change.pinned[name]
-            else:
-                model = Model(spec=e.spec, resident=res, pinned=change.pinned[name],
-                              estimated=e.bytes_estimated)
-            models[name] = model
-        for name, before in old.items():
-            if models.get(name) is not before and not before.idle:
-                before.resident.retired.append(before)  # it drains, then lets its weights go
-        self._models = models
-        for res in self._residents.values():
-            users = [m for m in models.values() if m.resident is res]
-            res.former = res.label
-            res.models = [m.spec.name for m in users]
-            res.retired = [m for m in res.retired if not m.idle]
-            if users:
-                res.estimated = max(m.estimated for m in users)
 
     async def _fit_budget(self, device: str) -> None:
         """Evict idle models of `device`, in the victim policy's order, until it fits."""
@@ -866,100 +700,46 @@ class Scheduler:
         buffers or the heap can differ this time). Busy models stay; the excess is logged.
         """
         while True:
-            over = self._used(device) - self._devices[device].capacity_bytes
+            over, victim = self._residency.over_budget(device, keep)
             if over <= 0:
                 return
-            views = [self._view(r) for r in self._residents.values()
-                     if r.load.device == device and r is not keep]
-            victims = self._policy(device)(views, over, 0)
-            if not victims:  # not enough idle bytes: free what there is, the rest waits
-                idle = sum(v.frees for v in views if v.evictable)
-                victims = self._policy(device)(views, idle, 0) if idle else None
-            if not victims:
+            if victim is None:
                 log.warning("%s holds %s more than its budget of %s until busy models finish "
                             "(%s)", device, format_bytes(over),
-                            format_bytes(self._devices[device].capacity_bytes), reason)
+                            format_bytes(self._residency.devices[device].capacity_bytes), reason)
                 return
-            await self._evict(self._residents[victims[0]], reason, cause=cause)
+            await self._evict(victim, reason, cause=cause)
 
     # ----------------------------------------------------------------- views
 
     def model_names(self) -> list[str]:
-        return list(self._models)
+        return list(self._residency.models)
 
     def spec_of(self, name: str) -> ModelSpec:
         """The catalog entry of `name`. Raises ModelNotFound."""
-        return self._model(name).spec
+        return self._residency.spec_of(name)
 
     def tasks_of(self, name: str) -> tuple[Task, ...]:
-        return tuple(self._model(name).spec.tasks)
+        return self._residency.tasks_of(name)
 
     def state_of(self, name: str) -> State:
-        return self._model(name).resident.state
+        return self._residency.state_of(name)
 
     def ready(self) -> Readiness:
         """Ready when every pinned model is hot; else which are not, why, and the next retry."""
-        now = self._clock()
-        pins = []
-        for m in self._models.values():
-            res = m.resident
-            if not m.pinned or res.state is State.HOT:
-                continue
-            retry = self._pins.get(m.spec.name)
-            pins.append(PinStatus(
-                model=m.spec.name, state=res.state,
-                error=retry.error if retry is not None else res.error,
-                next_retry_s=max(0.0, retry.next_at - now) if retry is not None else None))
-        return Readiness(ready=not pins, pins=tuple(pins))
+        return self._residency.readiness(self._pins.get)
 
     def devices(self) -> list[DeviceStatus]:
-        return [DeviceStatus(name=d.name, budget_bytes=d.budget_bytes,
-                             headroom_bytes=d.headroom_bytes, used_bytes=self._used(d.name))
-                for d in self._devices.values()]
+        return self._residency.device_rows()
 
     def models(self) -> list[ModelStatus]:
-        rows = []
-        for m in self._models.values():
-            res = m.resident
-            rows.append(ModelStatus(
-                name=m.spec.name, tasks=tuple(m.spec.tasks), state=res.state,
-                device=res.load.device, pinned=m.pinned, bytes_estimated=res.estimated,
-                bytes_measured=res.measured, in_flight=m.running, queued=len(m.queue),
-                last_used=(res.last_used + self._wall_offset) if res.last_used else None,
-                load_seconds=res.load_seconds, error=res.error,
-                shares_weights_with=tuple(n for n in res.models if n != m.spec.name),
-                bytes_warm=res.warm.bytes if res.warm.kept else None,
-                restore_seconds=res.warm.restore_seconds))
-        return rows
+        return self._residency.model_rows()
 
     # ----------------------------------------------------------------- helpers
 
-    def _model(self, name: str) -> Model:
-        model = self._models.get(name)
-        if model is None:
-            raise ModelNotFound(
-                f"model {name!r} does not exist; this server has: {', '.join(self._models)}",
-                param="model")
-        return model
-
-    def _is_pinned(self, res: Resident) -> bool:
-        return any(self._models[n].pinned for n in res.models)
-
-    def _memory_cap(self, res: Resident) -> int | None:
-        users = [self._models[n] for n in res.models] or res.retired
-        caps = [c for m in users if (c := m.spec.max_memory) is not None]
-        return min(caps) if caps else None
-
-    def _view(self, res: Resident) -> ResidentView:
-        return ResidentView(
-            key=res.key, device=res.load.device, state=res.state,
-            bytes=res.unloading_bytes if res.unloading_bytes is not None else res.bytes,
-            pinned=self._is_pinned(res), in_flight=res.leases, last_used=res.last_used,
-            models=tuple(res.models), reload_s=res.load_seconds or 0.0,
-            rate_per_s=arrival_rate(res.arrivals, self._clock()),
-            goes_warm=self._goes_warm(res), keeps_bytes=res.warm.bytes,
-            restore_s=res.warm.restore_seconds or self._expected_restore(res),
-            warm_bytes=res.warm.bytes if res.warm.kept else 0)
+    def _listed(self, name: str) -> Model | None:
+        """The catalog's model `name` now, or None (the pin keeper's view of the catalog)."""
+        return self._residency.models.get(name)
 
     def _compute_turn(self, res: Resident) -> tuple[float, float]:
         """The deadline and SLO at which the load of `res` competes for compute (see
@@ -968,31 +748,6 @@ class Scheduler:
         if math.isfinite(res.flight.due):
             return res.flight.due, res.flight.due_slo
         return self._clock() + self._load_wait_s, self._load_wait_s
-
-    @staticmethod
-    def _expected_restore(res: Resident) -> float:
-        """A restore's seconds before one was measured: the engine's declared share of its
-        load's, or 0.0 (unknown: the policy counts a whole load)."""
-        backend = res.backend or res.warm.backend
-        share = backend.restore_share if backend is not None else None
-        return share * (res.load_seconds or 0.0) if share else 0.0
-
-    def _admission(self, res: Resident) -> Admission:
-        device = self._devices[res.load.device]
-        views = [self._view(r) for r in self._residents.values()]
-        return plan_admission(self._view(res), views, device.capacity_bytes,
-                              self._policy(device.name), turns=self._load_turn > 0)
-
-    def _policy(self, device: str) -> VictimPolicy:
-        """The victim policy of `device` (packserve's cost-aware `CostAware` unless told
-        otherwise)."""
-        if self._policies is not None:
-            return self._policies.get(device, self._default_policy)
-        return self._default_policy
-
-    def _used(self, device: str) -> int:
-        return sum(v.held for v in map(self._view, self._residents.values())
-                   if v.device == device)
 
     def _emit(self, event: Event) -> None:
         for sink in self._sinks:

@@ -1,0 +1,309 @@
+"""The tables the scheduler decides over: the catalog's models by name, the residents by
+weights key, the devices' budgets; the snapshots its policy reads, and the status views.
+
+Synchronous: no method awaits, so whatever one reads or changes is one consistent picture on
+the event loop thread, and a catalog swap (`swap`) is seen by no request half done. It decides
+and moves nothing: the scheduler asks it who fits and who leaves, then applies the answer
+holding the device lock (lock order and the other invariants: `core.scheduler`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from packserve.config import ModelSpec
+from packserve.core import catalog
+from packserve.core.catalog import DeviceBudget, Entry, Listed, ReconfigureReport
+from packserve.core.pins import PinRetry
+from packserve.core.policy import (
+    Admission,
+    CostAware,
+    ResidentView,
+    VictimPolicy,
+    arrival_rate,
+    pins_fit,
+    plan_admission,
+)
+from packserve.core.queue import Model
+from packserve.core.resident import Resident
+from packserve.core.status import DeviceStatus, ModelStatus, PinStatus, Readiness
+from packserve.errors import ConfigError, ModelNotFound, PinsDoNotFit
+from packserve.types import State, Task
+
+
+class Residency:
+    """What is served and where it stands. Invariants: every model's resident is in
+    `residents` under its key; a resident's `models` names the catalog entries that use it
+    (none once removed: it retires, then `forget` drops it); `devices` has a budget for every
+    resident's device."""
+
+    def __init__(self, entries: Sequence[Entry], devices: Iterable[DeviceBudget],
+                 measured: Mapping[str, int | None], *, clock: Callable[[], float],
+                 wall_offset: float, victim_policy: VictimPolicy | Mapping[str, VictimPolicy]
+                 | None, warm_tier: Iterable[str], turns: bool) -> None:
+        """`measured`: each resident key's stored footprint, or None. `victim_policy`:
+        packserve's rule, or one per device (the config's `eviction`; the bench swaps in other
+        engines' rules). `warm_tier`: devices whose evictions keep an engine's objects and give
+        back only its weights. `turns`: admission may hold busy models for a load's turn."""
+        self._clock = clock
+        self._wall_offset = wall_offset
+        self._policies: Mapping[str, VictimPolicy] | None = (
+            victim_policy if isinstance(victim_policy, Mapping) else None)
+        self._default_policy: VictimPolicy = (
+            victim_policy if victim_policy is not None and not isinstance(victim_policy, Mapping)
+            else CostAware())
+        self._warm_tier = frozenset(warm_tier)
+        self._turns = turns
+        self.devices = {d.name: d for d in devices}
+        self.residents: dict[str, Resident] = {}
+        self.models: dict[str, Model] = {}
+        catalog.check_devices(entries, self.devices)
+        self._apply(entries, measured, catalog.diff({}, entries))
+
+    # ----------------------------------------------------------------- lookups
+
+    def model(self, name: str) -> Model:
+        """The catalog's model `name`. Raises ModelNotFound."""
+        model = self.models.get(name)
+        if model is None:
+            raise ModelNotFound(
+                f"model {name!r} does not exist; this server has: {', '.join(self.models)}",
+                param="model")
+        return model
+
+    def is_pinned(self, res: Resident) -> bool:
+        return any(self.models[n].pinned for n in res.models)
+
+    def memory_cap(self, res: Resident) -> int | None:
+        """The smallest `max_memory` of the models that use `res` (or used it, while they
+        drain), or None."""
+        users = [self.models[n] for n in res.models] or res.retired
+        caps = [c for m in users if (c := m.spec.max_memory) is not None]
+        return min(caps) if caps else None
+
+    def goes_warm(self, res: Resident) -> bool:
+        """Whether an eviction of `res` now would try the warm tier."""
+        return (res.load.device in self._warm_tier and res.warm.possible is not False
+                and res.quarantine is None and bool(res.models))
+
+    def policy(self, device: str) -> VictimPolicy:
+        """The victim policy of `device` (packserve's cost-aware `CostAware` unless told
+        otherwise)."""
+        if self._policies is not None:
+            return self._policies.get(device, self._default_policy)
+        return self._default_policy
+
+    def view(self, res: Resident) -> ResidentView:
+        """`res` as the victim policy sees it, now."""
+        return ResidentView(
+            key=res.key, device=res.load.device, state=res.state,
+            bytes=res.unloading_bytes if res.unloading_bytes is not None else res.bytes,
+            pinned=self.is_pinned(res), in_flight=res.leases, last_used=res.last_used,
+            models=tuple(res.models), reload_s=res.load_seconds or 0.0,
+            rate_per_s=arrival_rate(res.arrivals, self._clock()),
+            goes_warm=self.goes_warm(res), keeps_bytes=res.warm.bytes,
+            restore_s=res.warm.restore_seconds or _expected_restore(res),
+            warm_bytes=res.warm.bytes if res.warm.kept else 0)
+
+    def used(self, device: str) -> int:
+        """The bytes `device` holds now, by the residents' own accounts."""
+        return sum(v.held for v in map(self.view, self.residents.values())
+                   if v.device == device)
+
+    def holds_others(self, res: Resident) -> bool:
+        """Whether any resident but `res` holds memory or a warm copy (in any device)."""
+        return any(self.view(r).holds_memory or r.warm.kept
+                   for r in self.residents.values() if r is not res)
+
+    # ----------------------------------------------------------------- policy questions
+
+    def admission(self, res: Resident) -> Admission:
+        """What loading `res` now takes: fits, evict whom, wait for whom, or never fits."""
+        device = self.devices[res.load.device]
+        views = [self.view(r) for r in self.residents.values()]
+        return plan_admission(self.view(res), views, device.capacity_bytes,
+                              self.policy(device.name), turns=self._turns)
+
+    def labelled(self, answer: Admission, res: Resident) -> Admission:
+        """`answer` for operators: policy speaks in resident keys, they know catalog names."""
+        return dataclasses.replace(answer, target=res.label, victims=tuple(
+            self.residents[k].label for k in answer.victims), draining=tuple(
+            self.residents[k].label for k in answer.draining))
+
+    def retry_victims(self, res: Resident) -> tuple[str, ...]:
+        """Whom to unload before retrying a load of `res` that ran out of memory.
+
+        Admission said `res` fit and the engine still could not allocate, so the free figure
+        cannot be trusted (other processes, fragmentation, an estimate too low): the shortfall
+        is unknown, but the load never needs more than its own footprint. So the victim policy
+        is asked to free that much again, counting nothing as free; if the idle models hold
+        less, all of them go, still in the policy's order.
+        """
+        others = [dataclasses.replace(self.view(r), goes_warm=False)  # they go cold
+                  for r in self.residents.values()
+                  if r is not res and r.load.device == res.load.device]
+        policy = self.policy(res.load.device)
+        victims = policy(others, res.bytes, 0)
+        if victims is None:
+            victims = policy(others, sum(v.frees for v in others if v.evictable), 0)
+        return victims or ()
+
+    def over_budget(self, device: str, keep: Resident | None) -> tuple[int, Resident | None]:
+        """How many bytes `device` holds over its budget (<= 0: it fits), and the idle
+        resident other than `keep` to evict first, in the victim policy's order (None when
+        the idle ones do not cover it: then the first of them, if any, to free what there is)."""
+        over = self.used(device) - self.devices[device].capacity_bytes
+        if over <= 0:
+            return over, None
+        views = [self.view(r) for r in self.residents.values()
+                 if r.load.device == device and r is not keep]
+        victims = self.policy(device)(views, over, 0)
+        if not victims:  # not enough idle bytes: free what there is, the rest waits
+            idle = sum(v.frees for v in views if v.evictable)
+            victims = self.policy(device)(views, idle, 0) if idle else None
+        return over, self.residents[victims[0]] if victims else None
+
+    def check_pins(self) -> None:
+        """Raise PinsDoNotFit if the pinned models of any device cannot fit together."""
+        for dev in self.devices.values():
+            pinned = [self.view(r) for r in self.residents.values()
+                      if r.load.device == dev.name and self.is_pinned(r)]
+            reason = pins_fit(pinned, dev.capacity_bytes)
+            if reason:
+                raise PinsDoNotFit(reason)
+
+    # ----------------------------------------------------------------- the catalog
+
+    def check(self, entries: Sequence[Entry],
+              devices: Iterable[DeviceBudget] | None) -> dict[str, DeviceBudget]:
+        """The budgets a reconfigure to `entries` runs with (`devices`, or the running ones).
+        Raises ConfigError if `devices` adds or removes a device, PinsDoNotFit if an entry is
+        on a device without a budget."""
+        budgets = dict(self.devices)
+        if devices is not None:
+            budgets = {d.name: d for d in devices}
+            if set(budgets) != set(self.devices):
+                raise ConfigError(
+                    f"devices cannot be added or removed without a restart (running: "
+                    f"{', '.join(sorted(self.devices))}; asked: "
+                    f"{', '.join(sorted(budgets))})")
+        catalog.check_devices(entries, budgets)
+        return budgets
+
+    def new_loads(self, entries: Sequence[Entry]) -> dict[str, Entry]:
+        """The entries, by resident key, whose weights no resident holds yet."""
+        return {e.load.key: e for e in entries if e.load.key not in self.residents}
+
+    def swap(self, entries: Sequence[Entry], budgets: Mapping[str, DeviceBudget],
+             measured: Mapping[str, int | None]) -> tuple[ReconfigureReport, list[str]]:
+        """Make `entries` the catalog and `budgets` the devices' (from `check`); `measured`:
+        the stored footprints of `new_loads`. Raises PinsDoNotFit, having changed nothing, if
+        the new pins do not fit. Returns what changed and the devices whose budget shrank;
+        the caller retires the residents left without models and fits the shrunk devices."""
+        change = catalog.diff({n: Listed(key=m.resident.key, spec=m.spec, pinned=m.pinned,
+                                         estimated=m.estimated)
+                               for n, m in self.models.items()}, entries)
+        catalog.check_pins(entries, change.pinned,
+                           {**measured, **{k: r.measured for k, r in self.residents.items()}},
+                           {k: r.estimated for k, r in self.residents.items()}, budgets)
+        shrunk = [d for d, b in budgets.items()
+                  if b.capacity_bytes < self.devices[d].capacity_bytes]
+        self.devices = dict(budgets)
+        self._apply(entries, measured, change)
+        for model in self.models.values():
+            model.fill()
+        return change.report, shrunk
+
+    def _apply(self, entries: Sequence[Entry], measured: Mapping[str, int | None],
+               change: catalog.CatalogDiff) -> None:
+        """Swap the catalog for `entries`, as `change` says."""
+        old = self.models
+        models: dict[str, Model] = {}
+        for e in entries:
+            name = e.spec.name
+            res = self.residents.get(e.load.key)
+            if res is None:
+                res = Resident(load=e.load, models=[], estimated=e.bytes_estimated,
+                               measured=measured.get(e.load.key))
+                self.residents[e.load.key] = res
+            if name in change.kept:
+                model = old[name]
+                model.spec, model.estimated = e.spec, e.bytes_estimated
+                model.pinned = change.pinned[name]
+            else:
+                model = Model(spec=e.spec, resident=res, pinned=change.pinned[name],
+                              estimated=e.bytes_estimated)
+            models[name] = model
+        for name, before in old.items():
+            if models.get(name) is not before and not before.idle:
+                before.resident.retired.append(before)  # it drains, then lets its weights go
+        self.models = models
+        for res in self.residents.values():
+            users = [m for m in models.values() if m.resident is res]
+            res.former = res.label
+            res.models = [m.spec.name for m in users]
+            res.retired = [m for m in res.retired if not m.idle]
+            if users:
+                res.estimated = max(m.estimated for m in users)
+
+    def forget(self, res: Resident) -> None:
+        """Drop `res`, cold and named by no entry, unless a new resident took its key."""
+        if not res.models and self.residents.get(res.key) is res:
+            del self.residents[res.key]
+
+    # ----------------------------------------------------------------- views
+
+    def spec_of(self, name: str) -> ModelSpec:
+        """The catalog entry of `name`. Raises ModelNotFound."""
+        return self.model(name).spec
+
+    def tasks_of(self, name: str) -> tuple[Task, ...]:
+        return tuple(self.model(name).spec.tasks)
+
+    def state_of(self, name: str) -> State:
+        return self.model(name).resident.state
+
+    def readiness(self, retries: Callable[[str], PinRetry | None]) -> Readiness:
+        """Ready when every pinned model is hot; else which are not, why, and the next retry
+        (`retries`: the pin keeper's, by model name)."""
+        now = self._clock()
+        pins = []
+        for m in self.models.values():
+            res = m.resident
+            if not m.pinned or res.state is State.HOT:
+                continue
+            retry = retries(m.spec.name)
+            pins.append(PinStatus(
+                model=m.spec.name, state=res.state,
+                error=retry.error if retry is not None else res.error,
+                next_retry_s=max(0.0, retry.next_at - now) if retry is not None else None))
+        return Readiness(ready=not pins, pins=tuple(pins))
+
+    def device_rows(self) -> list[DeviceStatus]:
+        return [DeviceStatus(name=d.name, budget_bytes=d.budget_bytes,
+                             headroom_bytes=d.headroom_bytes, used_bytes=self.used(d.name))
+                for d in self.devices.values()]
+
+    def model_rows(self) -> list[ModelStatus]:
+        rows = []
+        for m in self.models.values():
+            res = m.resident
+            rows.append(ModelStatus(
+                name=m.spec.name, tasks=tuple(m.spec.tasks), state=res.state,
+                device=res.load.device, pinned=m.pinned, bytes_estimated=res.estimated,
+                bytes_measured=res.measured, in_flight=m.running, queued=len(m.queue),
+                last_used=(res.last_used + self._wall_offset) if res.last_used else None,
+                load_seconds=res.load_seconds, error=res.error,
+                shares_weights_with=tuple(n for n in res.models if n != m.spec.name),
+                bytes_warm=res.warm.bytes if res.warm.kept else None,
+                restore_seconds=res.warm.restore_seconds))
+        return rows
+
+
+def _expected_restore(res: Resident) -> float:
+    """A restore's seconds before one was measured: the engine's declared share of its
+    load's, or 0.0 (unknown: the policy counts a whole load)."""
+    backend = res.backend or res.warm.backend
+    share = backend.restore_share if backend is not None else None
+    return share * (res.load_seconds or 0.0) if share else 0.0
