@@ -272,3 +272,30 @@ def test_a_killed_replicas_models_are_served_elsewhere(pool: Pool) -> None:
     pool.wait_for("two replicas again", lambda v: len(v["replicas"]) == 2 and all(
         rep["replica"] != chat_at for rep in v["replicas"]))
     assert pool.over_budget == []
+
+
+def test_a_responses_stream_cut_by_a_killed_replica_ends_with_typed_events(pool: Pool) -> None:
+    """/v1/responses streams end in their own shape through the pool too (api.stream_end): the
+    openai SDK reads an `error` event and `response.failed` for the same response, numbered on
+    from the last event relayed, not chat's `data: {"error"}` + [DONE]."""
+    client = pool.client()
+    with client.responses.with_streaming_response.create(
+            model=CHAT, input="Count from 1 to 200.", max_output_tokens=400,
+            stream=True) as raw:
+        replica = raw.headers["x-packserve-replica"]
+        events = raw.parse()
+        created = next(iter(events))
+        assert created.type == "response.created"
+        _kill(replica)
+        rest = list(events)  # ends without raising: the failure is in-band
+    assert [e.type for e in rest[-2:]] == ["error", "response.failed"], rest[-3:]
+    numbers = [created.sequence_number, *(e.sequence_number for e in rest)]
+    assert numbers == list(range(len(numbers)))
+    error, failed = rest[-2], rest[-1]
+    assert error.type == "error" and failed.type == "response.failed"
+    assert error.code == "replica_lost" and "died mid-stream" in error.message
+    assert failed.response.id == created.response.id and failed.response.status == "failed"
+    assert failed.response.error is not None
+    assert failed.response.error.code == "replica_lost"  # type: ignore[comparison-overlap]
+    pool.wait_for("two replicas again", lambda v: len(v["replicas"]) == 2 and all(
+        rep["replica"] != replica for rep in v["replicas"]))

@@ -43,6 +43,14 @@ from packserve.api.asgi import (
     RequestId,
     error_body,
 )
+from packserve.api.edge import (
+    HOP_RESPONSE,
+    error_response,
+    http_error,
+    relayed_headers,
+    sniff,
+    unexpected,
+)
 from packserve.api.stream_end import StreamEnd
 from packserve.auth import KeyRing
 from packserve.config import Config
@@ -54,12 +62,6 @@ from packserve.front.upstream import request as upstream_request
 log = logging.getLogger("packserve.front")
 _event_log = logging.getLogger("packserve.events")
 
-# Headers that belong to one hop, not to the request or response being relayed. The client's
-# Host goes through, so that what the worker writes with it (a redirect) names this server.
-HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer",
-                  b"upgrade", b"proxy-connection", b"content-length", b"expect"})
-# ...and what the front's own server adds to every response.
-HOP_RESPONSE = HOP | {b"date", b"server"}
 _ADMIN_LOAD = re.compile(r"^/v1/residency/(?P<name>.+)/load$")
 # Keys read once when the worker or the front starts; a reload that changes them is refused.
 RESTART_KEYS = ("host", "port", "data_dir")
@@ -231,10 +233,12 @@ def create_front_app(front: Front) -> ASGIApp:
 
     async def proxy(request: Request) -> Response:
         if request.url.path.startswith("/internal/"):
-            return _error(404, f"no route {request.url.path}", "not_found_error", "not_found")
+            return error_response(404, f"no route {request.url.path}", "not_found_error",
+                                  "not_found")
         if front.draining:
-            return _error(503, "packserve is shutting down; retry on another replica or in a "
-                          "few seconds", "server_draining", "draining", retry_after=5)
+            return error_response(503, "packserve is shutting down; retry on another replica "
+                                  "or in a few seconds", "server_draining", "draining",
+                                  retry_after=5)
         body = await request.body()
         stack = contextlib.ExitStack()
         stack.enter_context(front.tracked())
@@ -255,15 +259,6 @@ def create_front_app(front: Front) -> ASGIApp:
                 supervisor.cleared(match["name"])
         return response
 
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = "request_too_large" if exc.status_code == 413 else str(exc.status_code)
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error", code)
-
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("front failed: %s", exc)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None)
-
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     app = Starlette(
         routes=[
@@ -282,7 +277,8 @@ def create_front_app(front: Front) -> ASGIApp:
             Middleware(BodyLimit, max_bytes=front.config.server.max_request_bytes),
             Middleware(CancelOnDisconnect),
         ],
-        exception_handlers={StarletteHTTPException: http_error, Exception: unexpected},
+        exception_handlers={StarletteHTTPException: http_error,
+                            Exception: unexpected(log, "front")},
     )
     # Outside Starlette's error middleware, so that its 500s carry the request id too.
     return RequestId(app)
@@ -299,9 +295,7 @@ class _Call:
             b"?" + query if query else b"")
         self.body = body
         self.rid = rid
-        self.headers = [(k, v) for k, v in request.headers.raw if k.lower() not in HOP
-                        and k.lower() != b"x-request-id"]
-        self.headers.append((b"x-request-id", rid.encode("latin-1")))
+        self.headers = relayed_headers(request.headers.raw, rid)
         self.path = request.url.path
         self.on_stream_end: Callable[[], None] | None = None
 
@@ -316,13 +310,7 @@ def _model_of(path: str, body: bytes) -> str:
     match = _ADMIN_LOAD.match(path)
     if match:
         return match["name"]
-    if body[:1] == b"{":
-        with contextlib.suppress(ValueError):
-            value = json.loads(body)
-            model = value.get("model") if isinstance(value, dict) else None
-            if isinstance(model, str):
-                return model[:128]
-    return ""
+    return (sniff(body).model or "")[:128]
 
 
 async def _forward(front: Front, call: _Call) -> Response:
@@ -332,12 +320,12 @@ async def _forward(front: Front, call: _Call) -> Response:
     while True:
         worker = await supervisor.wait_up(front.wait_s)
         if worker is None and supervisor.stopping and supervisor.config_error is None:
-            return _error(503, "packserve is shutting down", "server_draining", "draining",
-                          retry_after=5)
+            return error_response(503, "packserve is shutting down", "server_draining", "draining",
+                                  retry_after=5)
         if worker is None:
             why = supervisor.config_error or f"no worker answered within {front.wait_s:.0f}s"
-            return _error(503, f"packserve cannot serve this now: {why}", "model_unavailable",
-                          "worker_unavailable", retry_after=5)
+            return error_response(503, f"packserve cannot serve this now: {why}",
+                                  "model_unavailable", "worker_unavailable", retry_after=5)
         try:
             return await _send(front, worker, call)
         except UpstreamError:
@@ -373,23 +361,24 @@ async def _after_failure(front: Front, worker: Worker, call: _Call,
     try:
         crash = await front.supervisor.death_of(worker)
     except WorkerAlive:
-        return _error(502, "the connection to packserve's worker failed while it stayed up",
-                      "server_error", "worker_connection_failed")
+        return error_response(502, "the connection to packserve's worker failed while it stayed up",
+                              "server_error", "worker_connection_failed")
     if crash is None:  # stopping
-        return _error(503, "packserve is shutting down", "server_draining", "draining",
-                      retry_after=5)
+        return error_response(503, "packserve is shutting down", "server_draining", "draining",
+                              retry_after=5)
     model = call.model or "(none)"
     run = crash.fails(call.rid)
     if run is not None:
         front.metrics.after_crash.labels(model=model, outcome="failed").inc()
-        return _error(503, _crash_message(crash, run.model, run.task), "model_unavailable",
-                      "engine_crashed", retry_after=1)
+        return error_response(503, _crash_message(crash, run.model, run.task), "model_unavailable",
+                              "engine_crashed", retry_after=1)
     if attempt >= 1:
         front.metrics.after_crash.labels(model=model, outcome="failed").inc()
         doing = "ran" if call.rid in crash.running else "waited"
-        return _error(503, f"packserve's worker died ({crash.cause}) again while this request "
-                      f"{doing}; it had already been sent again once after an earlier crash",
-                      "model_unavailable", "engine_crashed", retry_after=1)
+        return error_response(503, f"packserve's worker died ({crash.cause}) again while this "
+                              f"request {doing}; it had already been sent again once after an "
+                              f"earlier crash", "model_unavailable", "engine_crashed",
+                              retry_after=1)
     front.metrics.after_crash.labels(model=model, outcome="retried").inc()
     log.info("request %s (%s) sent again after the worker died (%s)", call.rid, model,
              crash.cause)
@@ -435,13 +424,6 @@ async def _relay(front: Front, worker: Worker, call: _Call,
         if call.on_stream_end is not None:
             call.on_stream_end()
         upstream.close()
-
-
-def _error(status: int, message: str, type_: str, code: str | None, *,
-           retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after else None
-    return JSONResponse(error_body(message, type_, code=code), status_code=status,
-                        headers=headers)
 
 
 class _FrontServer(uvicorn_server.Server):

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
@@ -43,11 +42,19 @@ from starlette.types import ASGIApp
 
 from packserve.api.access import CALLER, Authenticate, may_call
 from packserve.api.asgi import REQUEST_ID, BodyLimit, CancelOnDisconnect, RequestId, error_body
+from packserve.api.edge import (
+    KeyHold,
+    error_of,
+    error_response,
+    http_error,
+    relayed_headers,
+    sniff,
+    unexpected,
+)
 from packserve.api.stream_end import StreamEnd
 from packserve.auth import KeyLimits, KeyRing
 from packserve.config import Config
 from packserve.errors import RateLimited
-from packserve.front.app import HOP
 from packserve.pool.app import SHARED, groups
 from packserve.pool.node import Relay, ReplicaReply
 from packserve.pool.router import ROUTERS
@@ -62,7 +69,6 @@ _RETRY_SAFE = frozenset({"/v1/embeddings", "/v1/rerank"})
 _MODEL_ROUTES = ("/v1/embeddings", "/v1/rerank", "/v1/chat/completions", "/v1/completions",
                  "/v1/responses")
 _LOST = (RayActorError, ActorUnavailableError)
-_TOTAL = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 _STATE_RANK = {"hot": 0, "loading": 1, "admitting": 2, "warm": 3, "unloading": 3, "failed": 5}
 _STATUS_PAGE = (resources.files("packserve.pool") / "status.html").read_text("utf-8")
 
@@ -159,33 +165,32 @@ def create_entry_app(pool: Pool) -> ASGIApp:
 
     async def model_request(request: Request) -> Response:
         body = await request.body()
-        model, stream = _peek(body)
+        sniffed = sniff(body)
+        model, stream = sniffed.model, sniffed.stream
         relay = _relay(request, body, model or "")
         if model is None:  # not a JSON object naming a model: the node's own 400 says why
             return _response(await pool.send(replace(relay, model=""), pool.default_group))
         if not may_call(model) or (pool.keys is not None and model not in pool.group_of):
             caller = CALLER.get()
             visible = [m for m in pool.group_of if may_call(m)]
-            return _error(404, f"model {model!r} does not exist or you have no access to it; "
-                          f"key {caller.name if caller else ''!r} may call: "
-                          f"{', '.join(visible) or 'no model'}", "invalid_request_error",
-                          "model_not_found", param="model")
-        caller = CALLER.get()
-        if caller is not None:
-            try:
-                pool.limits.admit(caller)
-            except RateLimited as exc:
-                return _error(exc.status, exc.message, exc.type, exc.code,
-                              retry_after=exc.retry_after_s)
-        release = _Release(pool, caller)
+            return error_response(404, f"model {model!r} does not exist or you have no access "
+                                  f"to it; key {caller.name if caller else ''!r} may call: "
+                                  f"{', '.join(visible) or 'no model'}", "invalid_request_error",
+                                  "model_not_found", param="model")
         try:
-            if stream:
-                return await _stream(pool, relay, request.url.path, release)
+            hold = KeyHold.admit(pool.limits, CALLER.get())
+        except RateLimited as exc:
+            return error_of(exc)
+        try:
+            if stream:  # the stream releases it when it ends
+                return await _stream(pool, relay, request.url.path, hold)
             reply = await _unary(pool, relay, request.url.path)
-            release.tokens = _tokens(reply.body) if isinstance(reply, ReplicaReply) else 0
+            if isinstance(reply, ReplicaReply):
+                hold.count(reply.body)
             return _response(reply) if isinstance(reply, ReplicaReply) else reply
         finally:
-            release.done(final=not stream)
+            if not stream:
+                hold.release()
 
     def model_rows() -> list[dict[str, Any]]:
         """Every model the caller may call, in its best state on any replica."""
@@ -207,8 +212,8 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         for row in model_rows():
             if row["id"] == name:
                 return JSONResponse(row)
-        return _error(404, f"model {name!r} does not exist or you have no access to it",
-                      "invalid_request_error", "model_not_found", param="model")
+        return error_response(404, f"model {name!r} does not exist or you have no access to it",
+                              "invalid_request_error", "model_not_found", param="model")
 
     async def view(_: Request) -> JSONResponse:
         return JSONResponse(pool_view(pool))
@@ -232,8 +237,8 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         name = request.path_params["name"]
         verb = request.url.path.rsplit("/", 1)[1]
         if name not in pool.group_of:
-            return _error(404, f"model {name!r} is not in the pool's config",
-                          "invalid_request_error", "model_not_found")
+            return error_response(404, f"model {name!r} is not in the pool's config",
+                                  "invalid_request_error", "model_not_found")
         group = pool.group_of[name]
         if verb == "load":  # where a request would go
             reply = await pool.send(replace(_relay(request, b"", ""), model=name), group)
@@ -258,17 +263,17 @@ def create_entry_app(pool: Pool) -> ASGIApp:
     async def addressed(request: Request, replica: str) -> Response:
         group = next((g for g, r, _ in pool.replicas() if r == replica), None)
         if group is None:
-            return _error(404, f"no replica {replica!r} in the pool (GET /v1/pool lists them)",
-                          "invalid_request_error", "replica_not_found")
+            return error_response(404, f"no replica {replica!r} in the pool (GET /v1/pool "
+                                  f"lists them)", "invalid_request_error", "replica_not_found")
         body = await request.body()
         try:
             return _response(await pool.send(_relay(request, body, "", replica=replica), group))
         except TimeoutError:
-            return _error(504, f"replica {replica!r} did not answer within {ADDRESSED_S:.0f}s",
-                          "server_error", "replica_timeout")
+            return error_response(504, f"replica {replica!r} did not answer within "
+                                  f"{ADDRESSED_S:.0f}s", "server_error", "replica_timeout")
         except (*_LOST, RayServeException) as exc:
-            return _error(503, f"replica {replica!r} is gone ({type(exc).__name__})",
-                          "model_unavailable", "replica_lost", retry_after=1)
+            return error_response(503, f"replica {replica!r} is gone ({type(exc).__name__})",
+                                  "model_unavailable", "replica_lost", retry_after=1)
 
     async def metrics(_: Request) -> Response:
         texts = {}
@@ -308,17 +313,8 @@ def create_entry_app(pool: Pool) -> ASGIApp:
         return HTMLResponse(_STATUS_PAGE)
 
     async def not_found(request: Request) -> Response:
-        return _error(404, f"no route {request.method} {request.url.path} on the pool's entry "
-                      f"point", "invalid_request_error", "not_found")
-
-    async def http_error(_: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        code = "request_too_large" if exc.status_code == 413 else str(exc.status_code)
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error", code)
-
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("entry point failed: %s", exc)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None)
+        return error_response(404, f"no route {request.method} {request.url.path} on the "
+                              f"pool's entry point", "invalid_request_error", "not_found")
 
     routes = [Route(p, model_request, methods=["POST"]) for p in _MODEL_ROUTES]
     routes += [
@@ -344,7 +340,8 @@ def create_entry_app(pool: Pool) -> ASGIApp:
             Middleware(BodyLimit, max_bytes=pool.config.server.max_request_bytes),
             Middleware(CancelOnDisconnect),
         ],
-        exception_handlers={StarletteHTTPException: http_error, Exception: unexpected},
+        exception_handlers={StarletteHTTPException: http_error,
+                            Exception: unexpected(log, "entry point")},
     )
     return RequestId(app)
 
@@ -358,18 +355,6 @@ def pool_view(pool: Pool) -> dict[str, Any]:
         for g, r, stats in pool.replicas()]}
 
 
-class _Release:
-    """Gives a key's admitted request back to its limits once, with the tokens it used."""
-
-    def __init__(self, pool: Pool, caller: Any) -> None:
-        self.pool, self.caller, self.tokens, self.released = pool, caller, 0, False
-
-    def done(self, final: bool = True) -> None:
-        if final and not self.released and self.caller is not None:
-            self.released = True
-            self.pool.limits.release(self.caller, self.tokens)
-
-
 async def _unary(pool: Pool, relay: Relay, path: str) -> ReplicaReply | Response:
     retries = pool.config.pool.retries if path in _RETRY_SAFE else 0
     for attempt in range(retries + 1):
@@ -377,9 +362,9 @@ async def _unary(pool: Pool, relay: Relay, path: str) -> ReplicaReply | Response
             reply = await pool.send(relay)
         except RayServeException as exc:  # no replica to route to (all gone, or none yet)
             pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
-            return _error(503, f"the pool has no replica that can take model "
-                          f"{relay.model!r} now ({type(exc).__name__}: {exc})",
-                          "model_unavailable", "pool_unavailable", retry_after=5)
+            return error_response(503, f"the pool has no replica that can take model "
+                                  f"{relay.model!r} now ({type(exc).__name__}: {exc})",
+                                  "model_unavailable", "pool_unavailable", retry_after=5)
         except _LOST as exc:
             if attempt < retries:
                 pool.metrics.lost.labels(model=relay.model, outcome="retried").inc()
@@ -407,13 +392,13 @@ def _lost(model: str, path: str, exc: BaseException, attempt: int) -> Response:
         why = f"it was sent {attempt + 1} times and each replica died"
     else:
         why = "a generation is not sent again because it may not repeat"
-    return _error(503, f"the pool replica serving model {model!r} died while running this "
-                  f"request ({type(exc).__name__}); {why}. Its models come up on another "
-                  f"replica at the next request", "model_unavailable", "replica_lost",
-                  retry_after=1)
+    return error_response(503, f"the pool replica serving model {model!r} died while running this "
+                          f"request ({type(exc).__name__}); {why}. Its models come up on another "
+                          f"replica at the next request", "model_unavailable", "replica_lost",
+                          retry_after=1)
 
 
-async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Response:
+async def _stream(pool: Pool, relay: Relay, path: str, hold: KeyHold) -> Response:
     handle = pool.handle_for(relay.model).options(stream=True,
                                                   multiplexed_model_id=relay.model)
     gen = handle.relay_stream.remote(relay)
@@ -422,16 +407,16 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
         head = await gen.__anext__()
     except _LOST as exc:
         pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
-        release.done()
+        hold.release()
         return _lost(relay.model, path, exc, 0)
     except BaseException:
-        release.done()
+        hold.release()
         raise
     assert isinstance(head, ReplicaReply)
     pool.metrics.requests.labels(model=relay.model, replica=head.replica,
                                  status=str(head.status)).inc()
     if head.node_down:  # a generation is not sent again: its 503 says why
-        release.done()
+        hold.release()
         return _response(head)
 
     async def body() -> AsyncIterator[bytes]:
@@ -440,8 +425,7 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
             async for chunk in gen:
                 assert isinstance(chunk, bytes)
                 end.seen(chunk)
-                if b'"total_tokens"' in chunk:
-                    release.tokens = _tokens(chunk)
+                hold.count(chunk)
                 yield chunk
         except _LOST as exc:
             pool.metrics.lost.labels(model=relay.model, outcome="failed").inc()
@@ -449,31 +433,11 @@ async def _stream(pool: Pool, relay: Relay, path: str, release: _Release) -> Res
                        f"({type(exc).__name__}); a generation is not sent again")
             yield end.ending(message, "replica_lost")
         finally:
-            release.done()
+            hold.release()
 
     response = StreamingResponse(body(), status_code=head.status)
     response.raw_headers = [*head.headers, (b"x-packserve-replica", head.replica.encode())]
     return response
-
-
-def _peek(body: bytes) -> tuple[str | None, bool]:
-    """The model a request body names and whether it asks for a stream; (None, False) for a
-    body that is not a JSON object with a string `model`."""
-    if body[:1] != b"{":
-        return None, False
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None, False
-    if not isinstance(value, dict) or not isinstance(value.get("model"), str):
-        return None, False
-    return value["model"], value.get("stream") is True
-
-
-def _tokens(body: bytes) -> int:
-    """A response's total_tokens (its usage comes last: the tail is searched first)."""
-    found = _TOTAL.findall(body[-1024:]) or _TOTAL.findall(body)
-    return int(found[-1]) if found else 0
 
 
 def _relay(request: Request, body: bytes, model: str, replica: str = "") -> Relay:
@@ -482,10 +446,8 @@ def _relay(request: Request, body: bytes, model: str, replica: str = "") -> Rela
         query = "&".join(f"{k}={v}" for k, v in request.query_params.multi_items()
                          if k != "replica")
         target = request.url.path + (f"?{query}" if query else "")
-    headers = tuple((k, v) for k, v in request.headers.raw
-                    if k.lower() not in HOP and k.lower() not in (b"authorization",
-                                                                  b"x-request-id"))
-    headers += ((b"x-request-id", REQUEST_ID.get().encode("latin-1")),)
+    headers = tuple(relayed_headers(request.headers.raw, REQUEST_ID.get(),
+                                    drop=frozenset({b"authorization"})))
     return Relay(request.method, target, headers, body, model, replica)
 
 
@@ -494,13 +456,6 @@ def _response(reply: ReplicaReply) -> Response:
     response.raw_headers = [*reply.headers, (b"content-length", str(len(reply.body)).encode()),
                             (b"x-packserve-replica", reply.replica.encode())]
     return response
-
-
-def _error(status: int, message: str, type_: str, code: str | None, *, param: str | None = None,
-           retry_after: float | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    return JSONResponse(error_body(message, type_, param=param, code=code),
-                        status_code=status, headers=headers)
 
 
 class _Relabelled(Collector):

@@ -32,8 +32,8 @@ import ray
 from ray import serve
 
 from packserve.api.asgi import error_body
+from packserve.api.edge import HOP_RESPONSE
 from packserve.config import Config
-from packserve.front.app import HOP_RESPONSE
 
 # The node's front answers /healthz within a second or two of starting; its worker (and the
 # pins) may take longer, which /readyz says.
