@@ -80,6 +80,7 @@ def test_the_handlers_answer_starlettes_refusals_and_the_unexpected() -> None:
     (b'["model"]', edge.Sniffed(None)),
     (b'', edge.Sniffed(None)),
     (b' {"model": "m"}', edge.Sniffed(None)),  # parsed only when it is plainly an object
+    (b'{"model": ' + b"[" * 100_000, edge.Sniffed(None)),  # deeper than the parser goes: no 500
 ])
 def test_sniff_reads_the_model_and_the_stream_flag(body: bytes, sniffed: edge.Sniffed) -> None:
     assert edge.sniff(body) == sniffed

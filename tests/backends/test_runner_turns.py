@@ -5,6 +5,7 @@ state the kernel reports."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from collections.abc import Iterator
@@ -53,13 +54,21 @@ def test_the_earliest_deadline_runs_and_the_others_wait(procs: list[int]) -> Non
     assert _state(c) != "T"
 
 
+@contextlib.contextmanager
+def _held(turns: Turns, a: int, held: Competitor) -> Iterator[None]:
+    """An embedding's request on `a` holds a generation's on `held` until the block ends."""
+    now = time.monotonic()
+    with turns.working(Competitor(a), now + 0.5, 0.5), turns.working(held, now + 4.0, 4.0):
+        assert held.pid is not None
+        _until(held.pid, stopped=True)
+        yield
+
+
 def test_a_forgotten_runner_is_let_go_at_once(procs: list[int]) -> None:
     a, b, _ = procs
     turns = Turns()
     rb = Competitor(b)
-    now = time.monotonic()
-    with turns.working(Competitor(a), now + 0.5, 0.5), turns.working(rb, now + 4.0, 4.0):
-        _until(b, stopped=True)
+    with _held(turns, a, rb):
         turns.forget(rb)  # being unloaded: SIGTERM must reach it
         assert _state(b) != "T" and b not in turns.stopped()
         time.sleep(0.1)
@@ -94,3 +103,30 @@ def test_a_start_competes_once_its_process_exists(procs: list[int]) -> None:
         _until(a, stopped=True)
         assert _state(b) != "T"
     _until(a, stopped=False)
+
+
+def test_the_time_a_runner_is_held_is_counted(procs: list[int]) -> None:
+    """A start's timeout leaves out the time its turn held it (`Competitor.held`)."""
+    a, b, _ = procs
+    turns = Turns()
+    rb = Competitor(b)
+    with _held(turns, a, rb):
+        time.sleep(0.2)
+        assert rb.held() >= 0.2  # counted while still held
+    _until(b, stopped=False)
+    assert rb.held_s >= 0.2 and rb.held() == rb.held_s
+
+
+def test_a_runner_restarted_in_place_keeps_its_turns(procs: list[int]) -> None:
+    """The requests of a runner that died go on competing with its new process: a request
+    due later than another runner's holds the new process, not the dead pid."""
+    a, b, c = procs
+    turns = Turns()
+    runner = Competitor(b)
+    with _held(turns, a, runner):
+        turns.spawned(runner, None)  # it died (or is killed): let go, never held again
+        _until(b, stopped=False)
+        turns.spawned(runner, c)  # restarted in place
+        _until(c, stopped=True)
+        assert _state(b) != "T" and turns.stopped() == {c}
+    _until(c, stopped=False)

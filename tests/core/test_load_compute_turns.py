@@ -1,7 +1,9 @@
 """A load competes for compute as the request it serves would: the scheduler holds the engine's
 `working` around a load and a restore, at the deadline and SLO of the earliest request waiting
 for it (runners on a CPU take turns by deadline, `backends.llama_server.Turns`), and a load
-nobody waits on with a deadline (a pin) competes as a request due in `load_wait_s`."""
+nobody waits on with a deadline (a pin) competes as a request due now, with the shortest SLO.
+The turn is taken when the engine call starts: a more urgent waiter that comes later does not
+move it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 
 import pytest
 
+from packserve.core.scheduler import UNWAITED_LOAD_SLO_S
 from tests.factories import TIMEOUT, drain, entry, harness, use
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(4 * TIMEOUT)]
@@ -35,10 +38,10 @@ async def test_the_earliest_deadline_among_waiters_is_the_loads() -> None:
     await h.scheduler.close()
 
 
-async def test_a_pins_load_competes_as_a_request_due_in_load_wait_s() -> None:
+async def test_a_pins_load_competes_as_a_request_due_now() -> None:
     h = harness([entry("p", pin=True)], budget_mib=1024, load_wait_s=45.0)
     await h.scheduler.start()
-    assert h.control.turns == [("fake:100MiB", h.clock.now + 45.0, 45.0)]
+    assert h.control.turns == [("fake:100MiB", h.clock.now, UNWAITED_LOAD_SLO_S)]
     await h.scheduler.close()
 
 

@@ -68,4 +68,11 @@ def test_docs_draw_the_same_table() -> None:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 2 and cells[0] in {s.value for s in State}:
             rows[State(cells[0])] = {State(t.split(" ")[0]) for t in cells[1].split(", ")}
-    assert rows == {src: set(dst) for src, dst in TRANSITIONS.items()}
+    table = {src: set(dst) for src, dst in TRANSITIONS.items()}
+    assert rows == table
+    drawn: dict[State, set[State]] = {}  # the mermaid diagram's arrows: the same moves
+    for line in text.split("```mermaid", 1)[1].split("```", 1)[0].splitlines():
+        if "-->" in line:
+            src, dst = (part.split(":")[0].strip() for part in line.split("-->"))
+            drawn.setdefault(State(src), set()).add(State(dst))
+    assert drawn == table

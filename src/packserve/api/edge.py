@@ -96,7 +96,7 @@ def sniff(body: bytes) -> Sniffed:
         return Sniffed(None)
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
         return Sniffed(None)
     if not isinstance(value, dict) or not isinstance(value.get("model"), str):
         return Sniffed(None)

@@ -102,12 +102,20 @@ _PR_SET_PDEATHSIG = 1
 
 class Competitor:
     """One runner as the CPU's turns see it: its process id while it has one (None before its
-    start and after its stop; a runner restarted in place gets a new one)."""
+    start and after its stop; a runner restarted in place gets a new one), and how long its
+    turns have held it so far (a start's timeout does not count that time)."""
 
-    __slots__ = ("pid",)
+    __slots__ = ("_held_since", "held_s", "pid")
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid
+        self.held_s = 0.0  # paused by its turn, in all, while not paused now
+        self._held_since: float | None = None
+
+    def held(self) -> float:
+        """Seconds its turns have held it, including the pause it may be in now."""
+        since = self._held_since
+        return self.held_s + (time.monotonic() - since if since is not None else 0.0)
 
 
 class Turns:
@@ -126,7 +134,9 @@ class Turns:
     past it competes as if it came again (its deadline moves on by its SLO), so late requests
     do not keep the cores from every other runner (the domino effect `core.compute` describes).
     A runner's start (its load, llama-server's warm-up pass) competes too, at the deadline of
-    the earliest request waiting for it: a start beside a burst of embeddings once took 6.2 s
+    the earliest request waiting for it when it began (the time it is held does not count
+    against START_TIMEOUT_S); a runner restarted in place keeps its requests' turns. A start
+    beside a burst of embeddings once took 6.2 s
     where it takes 0.2, and held the embeddings as long (docs/benchmarks.md, trace). A runner
     is stopped only while it has work and another runner's is more urgent; an idle runner, or
     one being stopped or released, is never held. On by default; `[server] runner_turns =
@@ -139,7 +149,7 @@ class Turns:
         self.enabled = True
         self._cond = threading.Condition()
         self._work: dict[Competitor, list[tuple[float, float]]] = {}  # (deadline, SLO) each
-        self._stopped: set[int] = set()  # pids
+        self._stopped: dict[int, Competitor] = {}  # pid -> whose it is
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -166,9 +176,12 @@ class Turns:
                 self._cond.notify()
 
     def spawned(self, who: Competitor, pid: int | None) -> None:
-        """`who` has a process now (None: none any more); a start waiting under its turn
-        competes from now on."""
+        """`who` has a process now (None: none any more, as it is killed or found dead); a
+        start waiting under its turn competes from now on. Its work stays: the requests and
+        the start of a runner restarted in place go on competing with its new process."""
         with self._cond:
+            if who.pid is not None and who.pid != pid:
+                self._resume(who.pid)
             who.pid = pid
             self._cond.notify()
 
@@ -185,12 +198,18 @@ class Turns:
         with self._cond:
             return frozenset(self._stopped)
 
+    def _stop(self, pid: int, who: Competitor) -> None:
+        self._signal(pid, signal.SIGSTOP)
+        self._stopped[pid] = who
+        who._held_since = time.monotonic()
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 # A runner without a process yet (its start is being spawned) uses no CPU.
-                busy = {who.pid: entries for who, entries in self._work.items()
-                        if entries and who.pid is not None}
+                owners = {who.pid: who for who, entries in self._work.items()
+                          if entries and who.pid is not None}
+                busy = {pid: self._work[who] for pid, who in owners.items()}
                 winner = min(busy, key=lambda pid: _urgency(busy[pid])) if len(busy) > 1 \
                     else None
                 for pid in list(self._stopped):
@@ -199,14 +218,16 @@ class Turns:
                 if winner is not None:
                     for pid in busy:
                         if pid != winner and pid not in self._stopped:
-                            self._signal(pid, signal.SIGSTOP)
-                            self._stopped.add(pid)
+                            self._stop(pid, owners[pid])
                 self._cond.wait(self.RECHECK_S if winner is not None else None)
 
     def _resume(self, pid: int) -> None:
-        if pid in self._stopped:
-            self._stopped.discard(pid)
+        who = self._stopped.pop(pid, None)
+        if who is not None:
             self._signal(pid, signal.SIGCONT)
+            if who._held_since is not None:
+                who.held_s += time.monotonic() - who._held_since
+                who._held_since = None
 
     @staticmethod
     def _signal(pid: int, sig: signal.Signals) -> None:
@@ -349,8 +370,11 @@ class _RunnerProcess(Backend):
                                      param=param)
 
     def _wait_ready(self) -> None:
+        # The time its turn holds it (docs of Turns) is not the start's: a start behind a
+        # stream of earlier deadlines is slow, not failed.
+        held = self._turn.held()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline + self._turn.held() - held:
             if self._proc is None or self._proc.poll() is not None:
                 raise RuntimeError(f"llama-server for {self.name} exited while loading "
                                    f"({self._exit()}): {self._log_tail()}")
@@ -372,14 +396,13 @@ class _RunnerProcess(Backend):
 
     def _stop(self) -> None:
         proc, self._proc = self._proc, None
-        TURNS.forget(self._turn)
+        TURNS.spawned(self._turn, None)  # let go if paused, never paused again
         if proc is not None and proc.poll() is None:
             # Killed, not asked: nothing of a runner outlives it (no request is in flight when
             # it is unloaded), and its own shutdown took 0.11-0.16 s that a model switch waited
             # for (`scripts/runner_checks.py start`); killed, it is gone in milliseconds.
             proc.kill()
             proc.wait()
-        TURNS.spawned(self._turn, None)
         folder, self._dir = self._dir, None
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -513,6 +536,7 @@ class _RunnerProcess(Backend):
         with self._restart_lock:
             if not self.dead():
                 return  # another request restarted it
+            TURNS.spawned(self._turn, None)  # its pid may be another process's soon
             if self._unloaded:
                 raise self._gone(None)
             now = time.monotonic()

@@ -284,9 +284,9 @@ class Backend:
     def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
         """Held by a request for as long as it uses this load, and by the scheduler around
         `load` and `restore_weights`: the deadline (time.monotonic() seconds) and SLO of the
-        request served (of the earliest one waiting, for a load), for an engine that shares
-        compute between its loads by deadline (llama-server runners). Any thread; no I/O, no
-        waiting."""
+        request served (for a load, of the earliest one waiting when it starts; a pin's or an
+        operator's competes as due now), for an engine that shares compute between its loads
+        by deadline (llama-server runners). Any thread; no I/O, no waiting."""
         return contextlib.nullcontext()
 
 

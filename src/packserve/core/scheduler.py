@@ -86,6 +86,10 @@ T = TypeVar("T")
 
 QUARANTINE_RETRY_AFTER_S = 60  # a quarantined model waits for an operator; clients back off
 LOCK_RETRY_AFTER_S = 5
+# A load nobody waits on with a deadline (a pin, an operator's load) takes its compute turn as
+# a request due now with the shortest default SLO (embeddings'): it is asked for on purpose,
+# and due later it would wait behind every stream, holding its device's lock meanwhile.
+UNWAITED_LOAD_SLO_S = 0.5
 
 class Scheduler:
     """Decides and applies residency. Construct with injected seams; call `start()` on the loop."""
@@ -743,11 +747,12 @@ class Scheduler:
 
     def _compute_turn(self, res: Resident) -> tuple[float, float]:
         """The deadline and SLO at which the load of `res` competes for compute (see
-        `Backend.working`): its earliest waiter's; a load nobody waits on with a deadline (a
-        pin, an operator's) competes as a request due in `load_wait_s`."""
+        `Backend.working`): its earliest waiter's when the engine call starts (a waiter that
+        comes later does not move it); a load nobody waits on with a deadline (a pin, an
+        operator's) competes as a request due now (UNWAITED_LOAD_SLO_S)."""
         if math.isfinite(res.flight.due):
             return res.flight.due, res.flight.due_slo
-        return self._clock() + self._load_wait_s, self._load_wait_s
+        return self._clock(), UNWAITED_LOAD_SLO_S
 
     def _emit(self, event: Event) -> None:
         for sink in self._sinks:
