@@ -109,7 +109,7 @@ class Competitor:
 
     def __init__(self, pid: int | None = None) -> None:
         self.pid = pid
-        self.held_s = 0.0  # paused by its turn, in all, while not paused now
+        self.held_s = 0.0  # seconds paused by its turns, up to its last resume
         self._held_since: float | None = None
 
     def held(self) -> float:
@@ -136,8 +136,8 @@ class Turns:
     A runner's start (its load, llama-server's warm-up pass) competes too, at the deadline of
     the earliest request waiting for it when it began (the time it is held does not count
     against START_TIMEOUT_S); a runner restarted in place keeps its requests' turns. A start
-    beside a burst of embeddings once took 6.2 s
-    where it takes 0.2, and held the embeddings as long (docs/benchmarks.md, trace). A runner
+    beside a burst of embeddings once took 6.2 s where it takes 0.2, and held the embeddings as
+    long (docs/benchmarks.md, trace). A runner
     is stopped only while it has work and another runner's is more urgent; an idle runner, or
     one being stopped or released, is never held. On by default; `[server] runner_turns =
     false` leaves the sharing to the OS.
@@ -186,8 +186,8 @@ class Turns:
             self._cond.notify()
 
     def forget(self, who: Competitor) -> None:
-        """`who` is being stopped, released or has died: never hold it again (it is let go
-        now)."""
+        """`who` is released to warm, idle: drop its work and let it go now if it is held (a
+        runner that is stopped or dead drops its pid instead: `spawned(who, None)`)."""
         with self._cond:
             self._work.pop(who, None)
             if who.pid is not None:
