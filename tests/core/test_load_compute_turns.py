@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from packserve.core.scheduler import UNWAITED_LOAD_SLO_S
+from packserve.core.resident import UNWAITED_LOAD_SLO_S
 from tests.factories import TIMEOUT, drain, entry, harness, use
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(4 * TIMEOUT)]

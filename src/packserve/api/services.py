@@ -104,7 +104,9 @@ class Services:
                 f"model {model!r} does not exist or you have no access to it; key "
                 f"{caller.name!r} may call: {', '.join(self.visible_models()) or 'no model'}",
                 param="model")
-        return self.scheduler.spec_of(model)
+        spec = self.scheduler.spec_of(model)
+        assert isinstance(spec, ModelSpec)  # the server's entries: the core holds them as Served
+        return spec
 
     def check_engine(self, model: str, fields: Sequence[str] = (), *,
                      token_ids: str | None = None) -> None:

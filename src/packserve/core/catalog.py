@@ -10,12 +10,32 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
 from packserve.core.policy import ResidentView, pins_fit
 from packserve.errors import PinsDoNotFit
-from packserve.types import State
+from packserve.types import State, Task
+
+
+class Served(Protocol):
+    """What the core reads of a catalog entry: the name clients send, what it does, its pin and
+    its quotas. The server passes the config file's `ModelSpec`, which is one; the core holds it
+    as this and never imports the config's types. Compared with `==` by the reconfigure diff
+    (any change to an entry is a change)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def tasks(self) -> Sequence[Task]: ...
+    @property
+    def pin(self) -> bool: ...
+    @property
+    def concurrency(self) -> int: ...  # requests served at once
+    @property
+    def max_queue(self) -> int: ...  # requests waiting beyond those
+    @property
+    def max_memory(self) -> int | None: ...  # a quota on its weights' bytes
 
 
 @dataclass(frozen=True)
@@ -35,7 +55,7 @@ class DeviceBudget:
 class Entry:
     """A catalog entry ready to schedule: its spec, how to load it, its estimated bytes."""
 
-    spec: ModelSpec
+    spec: Served
     load: LoadSpec
     bytes_estimated: int
 
@@ -46,7 +66,7 @@ class Listed:
     operator's pin or unpin included)."""
 
     key: str
-    spec: ModelSpec
+    spec: Served
     estimated: int
     pinned: bool
 

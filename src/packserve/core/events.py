@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -123,3 +123,13 @@ def log_event(event: Event) -> None:
         return
     _event_log.info(json.dumps({"ts": round(time.time(), 3), **dataclasses.asdict(event)},
                                sort_keys=True))
+
+
+def emit(sinks: Iterable[EventSink], event: Event) -> None:
+    """Hand `event` to every sink. A sink that raises is logged and skipped: an exporter's bug
+    must not break scheduling."""
+    for sink in sinks:
+        try:
+            sink(event)
+        except Exception:
+            logging.getLogger("packserve.scheduler").exception("event sink failed on %s", event)

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from packserve.config import ModelSpec
+from packserve.core.catalog import Served
 from packserve.core.fairness import FairQueue
 from packserve.core.policy import admit_request
 from packserve.core.resident import Resident
@@ -35,7 +35,7 @@ log = logging.getLogger("packserve.scheduler")
 class Model:
     """A catalog entry the scheduler serves: its spec, its weights, its pin and its queue."""
 
-    spec: ModelSpec
+    spec: Served
     resident: Resident
     pinned: bool
     estimated: int

@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from packserve.config import ModelSpec
 from packserve.core import catalog
-from packserve.core.catalog import DeviceBudget, Entry, Listed, ReconfigureReport
+from packserve.core.catalog import DeviceBudget, Entry, Listed, ReconfigureReport, Served
 from packserve.core.pins import PinRetry
 from packserve.core.policy import (
     Admission,
@@ -29,7 +28,8 @@ from packserve.core.queue import Model
 from packserve.core.resident import Resident
 from packserve.core.status import DeviceStatus, ModelStatus, PinStatus, Readiness
 from packserve.errors import ConfigError, ModelNotFound, PinsDoNotFit
-from packserve.types import State, Task
+from packserve.types import State
+from packserve.units import format_bytes
 
 
 class Residency:
@@ -81,6 +81,20 @@ class Residency:
         users = [self.models[n] for n in res.models] or res.retired
         caps = [c for m in users if (c := m.spec.max_memory) is not None]
         return min(caps) if caps else None
+
+    def overshoot(self, res: Resident, measured: int) -> str | None:
+        """Why `res`, just loaded and measured at `measured` bytes, cannot stay: over its
+        max_memory quota or over its device's whole budget; None if it may."""
+        cap = self.memory_cap(res)
+        budget = self.devices[res.load.device].capacity_bytes
+        if cap is not None and measured > cap:
+            limit = f"its max_memory quota of {format_bytes(cap)}"
+        elif measured > budget:
+            limit = f"{res.load.device}'s whole budget of {format_bytes(budget)}"
+        else:
+            return None
+        return (f"model {res.label} measured {format_bytes(measured)} after loading, over "
+                f"{limit}; it was unloaded")
 
     def goes_warm(self, res: Resident) -> bool:
         """Whether an eviction of `res` now would try the warm tier."""
@@ -254,12 +268,9 @@ class Residency:
 
     # ----------------------------------------------------------------- views
 
-    def spec_of(self, name: str) -> ModelSpec:
+    def spec_of(self, name: str) -> Served:
         """The catalog entry of `name`. Raises ModelNotFound."""
         return self.model(name).spec
-
-    def tasks_of(self, name: str) -> tuple[Task, ...]:
-        return tuple(self.model(name).spec.tasks)
 
     def state_of(self, name: str) -> State:
         return self.model(name).resident.state

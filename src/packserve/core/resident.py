@@ -22,6 +22,11 @@ from packserve.core.backend import Backend, LoadSpec, Runner
 from packserve.core.policy import RATE_WINDOW
 from packserve.types import State
 
+# A load nobody waits on with a deadline (a pin, an operator's load) takes its compute turn as
+# a request due now with the shortest default SLO (embeddings'): it is asked for on purpose,
+# and due later it would wait behind every stream, holding its device's lock meanwhile.
+UNWAITED_LOAD_SLO_S = 0.5
+
 if TYPE_CHECKING:
     from packserve.core.queue import Model, Turn
 
@@ -94,6 +99,15 @@ class LoadInFlight:
 
     def reset_deadlines(self) -> None:
         self.due = self.due_slo = self.at_risk = math.inf
+
+    def turn(self, now: float) -> tuple[float, float]:
+        """The deadline and SLO at which the engine call of this load competes for compute
+        (see `Backend.working`): its earliest waiter's when the call starts (a waiter that comes
+        later does not move it); a load nobody waits on with a deadline (a pin, an operator's)
+        competes as a request due `now` (UNWAITED_LOAD_SLO_S)."""
+        if math.isfinite(self.due):
+            return self.due, self.due_slo
+        return now, UNWAITED_LOAD_SLO_S
 
 
 @dataclass(eq=False)

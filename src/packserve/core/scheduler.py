@@ -14,7 +14,8 @@ model. A request goes acquire -> ensure hot -> load -> admit -> evict; its state
 the tables it decides over, their policy snapshots and status views are `core.residency`; the
 engine calls run in `core.loader`, moves between tiers in `core.tiers`, the queue in
 `core.queue`, the catalog diff in `core.catalog`, pin retries in `core.pins`, background tasks
-and the memory-changed signal in `core.background`, a request's accounting in `core.lease`.
+and the memory-changed signal in `core.background`, a request's accounting in `core.lease`, the
+device locks in `core.locks`, retirements in `core.retire`.
 
 Invariants (all state lives on the event loop thread; only backend calls run in threads):
 - `res.leases` counts requests that hold or wait for the resident; a resident with leases is
@@ -24,7 +25,7 @@ Invariants (all state lives on the event loop thread; only backend calls run in 
   call starts, a load nobody waits for any more gives up, having loaded and evicted nothing;
   from LOADING on it runs to the end and publishes the model hot or undoes itself.
 - Every transition of a resident on device D (ADMITTING->LOADING->HOT, HOT->UNLOADING->COLD,
-  and the same through WARM) happens while holding `self._device_locks[D]`: two loads never
+  and the same through WARM) happens while holding D's lock (`self._locks`): two loads never
   count the same free bytes, and no load is measured while another load or unload on D moves
   its memory. Waiting for that lock is bounded by `load_wait_s`.
 - Weights leave a device only through `Tiers.evict_to` (which also makes warm copies).
@@ -39,33 +40,33 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from packserve.config import ModelSpec
 from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.background import Background, Changed
-from packserve.core.catalog import DeviceBudget, Entry, ReconfigureReport
+from packserve.core.catalog import DeviceBudget, Entry, ReconfigureReport, Served
 from packserve.core.events import (
-    Event,
     EventSink,
     EvictEvent,
     LoadEvent,
     LoadFailedEvent,
     LoadStartEvent,
     RequestStartEvent,
+    emit,
     log_event,
 )
 from packserve.core.lease import Lease, Visit
 from packserve.core.loader import FootprintStore, Loader, is_memory_failure
+from packserve.core.locks import LOCK_RETRY_AFTER_S, DeviceLocks
 from packserve.core.memory import MemoryProbe
 from packserve.core.pins import PinKeeper
 from packserve.core.policy import Admission, Verdict, VictimPolicy, explain_victim, policy_name
 from packserve.core.queue import Model, hold, release_holds, wait_turn
 from packserve.core.residency import Residency
 from packserve.core.resident import Resident
+from packserve.core.retire import Retirer
 from packserve.core.status import DeviceStatus, ModelStatus, Readiness
 from packserve.core.tiers import Tiers
 from packserve.errors import (
@@ -85,11 +86,6 @@ log = logging.getLogger("packserve.scheduler")
 T = TypeVar("T")
 
 QUARANTINE_RETRY_AFTER_S = 60  # a quarantined model waits for an operator; clients back off
-LOCK_RETRY_AFTER_S = 5
-# A load nobody waits on with a deadline (a pin, an operator's load) takes its compute turn as
-# a request due now with the shortest default SLO (embeddings'): it is asked for on purpose,
-# and due later it would wait behind every stream, holding its device's lock meanwhile.
-UNWAITED_LOAD_SLO_S = 0.5
 
 class Scheduler:
     """Decides and applies residency. Construct with injected seams; call `start()` on the loop."""
@@ -124,6 +120,7 @@ class Scheduler:
         # its own (0: they go ahead; `acquire` without an SLO counts `load_wait_s` as one).
         self._load_turn = load_turn
         self._sinks = list(sinks)
+        self._emit = functools.partial(emit, self._sinks)
         devices = list(devices)
         # Loads, unloads and footprint writes run on the loader's executor.
         self._loader = Loader(factory, probe, store or FootprintStore(None),
@@ -132,11 +129,12 @@ class Scheduler:
             entries, devices, {e.load.key: self._loader.store.get(e.load) for e in entries},
             clock=clock, wall_offset=wall_clock() - clock(), victim_policy=victim_policy,
             warm_tier=warm_tier, turns=load_turn > 0)
-        self._device_locks = {d.name: asyncio.Lock() for d in devices}
+        self._locks = DeviceLocks((d.name for d in devices), clock=clock, wait_s=load_wait_s)
         self._changed = Changed()  # memory changed, or a model went idle
         self._tiers = Tiers(self._loader, clock=clock, emit=self._emit,
                             changed=self._changed.fire)
         self._background = Background()  # pin retries, retirements
+        self._retirer = Retirer(self._residency, self._tiers, self._changed, self._locks.hold)
         self._pins = PinKeeper(functools.partial(self._ensure_hot, ignore_cooldown=True),
                                self._background.spawn, self._listed,
                                clock=clock, sleep=sleep, retry_s=pin_retry_s)
@@ -450,7 +448,7 @@ class Scheduler:
 
         Never abandoned: once the engine call has started, its outcome is published or undone.
         """
-        turn = self._compute_turn(res)
+        turn = res.flight.turn(self._clock())
         if res.warm.kept and await self._tiers.restore(res, turn):
             return
         device = res.load.device
@@ -469,14 +467,8 @@ class Scheduler:
         measured = max(measured, res.peak_here or 0)
         res.peak_here = measured
         res.measured = measured
-        cap = self._residency.memory_cap(res)
-        budget = self._residency.devices[device].capacity_bytes
-        if (cap is not None and measured > cap) or measured > budget:
-            limit = (f"its max_memory quota of {format_bytes(cap)}"
-                     if cap is not None and measured > cap
-                     else f"{device}'s whole budget of {format_bytes(budget)}")
-            reason = (f"model {res.label} measured {format_bytes(measured)} after loading, over "
-                      f"{limit}; it was unloaded")
+        reason = self._residency.overshoot(res, measured)
+        if reason is not None:
             await self._tiers.evict_to(res, State.COLD, None, backend)
             self._emit(LoadFailedEvent(model=res.label, device=device, bytes=measured,
                                        seconds=seconds, reason=reason, will_retry=False))
@@ -497,75 +489,27 @@ class Scheduler:
         """The victim policy's choice leaves its tier: hot to warm where its device has a warm
         tier and its engine a warm state (unless `cold`: warm copies would leave too little
         room), else to cold; warm to cold. Must hold the lock."""
+        policy = self._residency.policy(res.load.device)  # it chose: the event says why
         if res.state is State.ADMITTING:  # its load waits for memory: only its copy goes
-            view = self._residency.view(res)
-            policy = self._residency.policy(res.load.device)
+            why = explain_victim(policy, view := self._residency.view(res))
             await self._tiers.drop_warm(res)
             self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=view.frees,
                                   seconds=0.0, reason=reason, cause=cause,
-                                  policy=policy_name(policy),
-                                  why=explain_victim(policy, view), tier_to="cold"))
+                                  policy=policy_name(policy), why=why, tier_to="cold"))
             return
         warm = not cold and res.state is State.HOT and self._residency.goes_warm(res)
-        policy = self._residency.policy(res.load.device)  # it chose: the event says why
         why = explain_victim(policy, dataclasses.replace(self._residency.view(res), goes_warm=warm))
         await self._tiers.evict_to(res, State.WARM if warm else State.COLD, reason, cause=cause,
                                    policy=policy_name(policy), why=why)
 
-    async def _retire(self, res: Resident, reason: str) -> None:
-        """Unload `res` once nothing uses it, because it was quarantined or removed from the
-        catalog; forget it once cold if no catalog entry names it. A background task."""
-        if res.retiring:
-            return
-        res.retiring = True
-        try:
-            await self._retire_when_idle(res, reason)
-        finally:
-            res.retiring = False
-
-    async def _retire_when_idle(self, res: Resident, reason: str) -> None:
-        while res.quarantine is not None or not res.models:
-            changed = self._changed.event  # taken before looking, so no signal is missed
-            busy = bool(res.leases or res.flight.task or any(not m.idle for m in res.retired))
-            if not busy and res.state in (State.HOT, State.WARM):
-                try:
-                    async with self._device_lock(res.load.device, f"retiring {res.label}"):
-                        if (res.state in (State.HOT, State.WARM) and not res.leases
-                                and not any(not m.idle for m in res.retired)):
-                            await self._tiers.evict_to(res, State.COLD, reason)
-                except ModelUnavailable as exc:
-                    log.warning("%s; trying again when the device is free", exc.message)
-                continue
-            if not busy and res.state is not State.UNLOADING:
-                self._residency.forget(res)
-                return
-            await changed.wait()
-
     # ----------------------------------------------------------------- waiting
 
-    @contextlib.asynccontextmanager
-    async def _device_lock(self, device: str, who: str, *, deadline: float | None = None,
-                           res: Resident | None = None) -> AsyncIterator[None]:
-        """Hold `device`'s lock. Waits until `deadline` (scheduler clock; default: load_wait_s
-        from now), then raises ModelUnavailable naming `who`. With `res`, the wait is part of
-        that resident's load, which its last waiter may abandon."""
-        lock = self._device_locks[device]
-        end = deadline if deadline is not None else self._clock() + self._load_wait_s
-        try:
-            async with asyncio.timeout(max(0.0, end - self._clock())):
-                if res is None:
-                    await lock.acquire()
-                else:
-                    await self._abandonable(res, lock.acquire)
-        except TimeoutError as exc:
-            raise ModelUnavailable(
-                f"{who} waited {self._load_wait_s:g}s for {device}, where another load or "
-                f"unload is still running; retry later", retry_after_s=LOCK_RETRY_AFTER_S
-            ) from exc
-        try:
-            yield
-        finally:
-            lock.release()
+    def _device_lock(self, device: str, who: str, *, deadline: float | None = None,
+                     res: Resident | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        """`device`'s lock (see `DeviceLocks.hold`); with `res`, the wait is part of that
+        resident's load, which its last waiter may abandon."""
+        return self._locks.hold(device, who, deadline=deadline, via=None if res is None else
+                                functools.partial(self._abandonable, res))
 
     # ----------------------------------------------------------------- admin
 
@@ -579,32 +523,31 @@ class Scheduler:
         await self._ensure_hot(res)
 
     async def unload(self, name: str) -> None:
-        """Operator action: unload `name` if it is hot and idle. Conflict if pinned or busy;
-        ModelUnavailable if its device stays busy with other loads for load_wait_s."""
-        res = self._residency.model(name).resident
-        if self._residency.is_pinned(res):
-            raise Conflict(f"model {res.label} is pinned; unpin it first")
-        async with self._device_lock(res.load.device, f"unloading {res.label}"):
-            if res.state not in (State.HOT, State.WARM):
-                return
-            if res.leases:
-                raise Conflict(f"model {res.label} has {res.leases} requests in flight")
-            await self._tiers.evict_to(res, State.COLD, "unloaded by operator", cause="operator")
+        """Operator action: unload `name` if it is hot (or warm) and idle. Conflict if pinned or
+        busy; ModelUnavailable if its device stays busy with other loads for load_wait_s."""
+        await self._operator_evict(name, "unloading", (State.HOT, State.WARM),
+                                   lambda res: State.COLD, "unloaded by operator")
 
     async def offload(self, name: str) -> None:
         """Operator action: move `name` from hot to the next tier down now, whether or not its
         device evicts to the warm tier: warm if its engine can keep its objects without its
         weights, else cold (the answer's state says which). Conflict if pinned or busy."""
+        await self._operator_evict(
+            name, "offloading", (State.HOT,),
+            lambda res: State.WARM if res.warm.possible is not False else State.COLD,
+            "offloaded by operator")
+
+    async def _operator_evict(self, name: str, doing: str, movable: tuple[State, ...],
+                              tier: Callable[[Resident], State], reason: str) -> None:
         res = self._residency.model(name).resident
         if self._residency.is_pinned(res):
             raise Conflict(f"model {res.label} is pinned; unpin it first")
-        async with self._device_lock(res.load.device, f"offloading {res.label}"):
-            if res.state is not State.HOT:
+        async with self._device_lock(res.load.device, f"{doing} {res.label}"):
+            if res.state not in movable:
                 return
             if res.leases:
                 raise Conflict(f"model {res.label} has {res.leases} requests in flight")
-            tier = State.WARM if res.warm.possible is not False else State.COLD
-            await self._tiers.evict_to(res, tier, "offloaded by operator", cause="operator")
+            await self._tiers.evict_to(res, tier(res), reason, cause="operator")
 
     async def pin(self, name: str) -> None:
         """Operator action: keep `name` loaded. If its load fails the pin is rolled back and the
@@ -641,7 +584,7 @@ class Scheduler:
         if res.state is State.COLD:
             res.move(State.FAILED)
         elif res.state is not State.FAILED:
-            self._background.spawn(self._retire(res, f"quarantined: {reason}"),
+            self._background.spawn(self._retirer.retire(res, f"quarantined: {reason}"),
                         f"packserve quarantine {res.label}")
 
     def plan(self, name: str) -> Admission:
@@ -674,7 +617,7 @@ class Scheduler:
             report, shrunk = self._residency.swap(entries, budgets, measured)
             for res in list(self._residency.residents.values()):
                 if not res.models:
-                    self._background.spawn(self._retire(res, "removed from the config"),
+                    self._background.spawn(self._retirer.retire(res, "removed from the config"),
                                 f"packserve retire {res.label}")
             self._changed.fire()  # a larger budget may admit a waiting load
             for device in shrunk:
@@ -719,12 +662,9 @@ class Scheduler:
     def model_names(self) -> list[str]:
         return list(self._residency.models)
 
-    def spec_of(self, name: str) -> ModelSpec:
+    def spec_of(self, name: str) -> Served:
         """The catalog entry of `name`. Raises ModelNotFound."""
         return self._residency.spec_of(name)
-
-    def tasks_of(self, name: str) -> tuple[Task, ...]:
-        return self._residency.tasks_of(name)
 
     def state_of(self, name: str) -> State:
         return self._residency.state_of(name)
@@ -744,22 +684,6 @@ class Scheduler:
     def _listed(self, name: str) -> Model | None:
         """The catalog's model `name` now, or None (the pin keeper's view of the catalog)."""
         return self._residency.models.get(name)
-
-    def _compute_turn(self, res: Resident) -> tuple[float, float]:
-        """The deadline and SLO at which the load of `res` competes for compute (see
-        `Backend.working`): its earliest waiter's when the engine call starts (a waiter that
-        comes later does not move it); a load nobody waits on with a deadline (a pin, an
-        operator's) competes as a request due now (UNWAITED_LOAD_SLO_S)."""
-        if math.isfinite(res.flight.due):
-            return res.flight.due, res.flight.due_slo
-        return self._clock(), UNWAITED_LOAD_SLO_S
-
-    def _emit(self, event: Event) -> None:
-        for sink in self._sinks:
-            try:
-                sink(event)
-            except Exception:  # an exporter bug must not break scheduling
-                log.exception("event sink failed on %s", event)
 
 
 class _Abandoned(Exception):
