@@ -9,6 +9,7 @@ key, the line where it is, and the reason.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -22,6 +23,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
@@ -29,7 +31,7 @@ from pydantic import (
 
 from packserve.errors import ConfigError
 from packserve.types import Task
-from packserve.units import parse_bytes
+from packserve.units import parse_bytes, parse_duration
 
 
 def _parse_budget(value: object) -> int | Literal["auto"]:
@@ -39,6 +41,9 @@ def _parse_budget(value: object) -> int | Literal["auto"]:
 
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
+# 5m, 90s, 300, never (inf; written back as "never": JSON has no infinity)
+Duration = Annotated[float, BeforeValidator(parse_duration),
+                     PlainSerializer(lambda s: "never" if math.isinf(s) else s)]
 Budget = Annotated[int | Literal["auto"], BeforeValidator(_parse_budget)]
 
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -149,6 +154,11 @@ class DeviceConfig(_Strict):
     # back its weights, so coming back costs a read of the weights instead of a whole load
     # (sentence-transformers with safetensors weights; llama.cpp on CPU). false: evictions unload.
     warm_tier: bool = True
+    # Idle models let go: a model with no request for `keep_alive` goes to the warm tier (cold
+    # where it has none), and a warm copy with none for `keep_alive` + `cold_after` goes cold.
+    # Pins stay. "never" by default: packserve keeps models ready; set it on a shared card.
+    keep_alive: Duration = math.inf
+    cold_after: Duration = math.inf
 
 
 class ModelSpec(_Strict):
@@ -182,6 +192,9 @@ class ModelSpec(_Strict):
     # Chat with tools on a model whose chat template cannot show them: packserve's generic tool
     # prompt (the tools listed in a system message, calls and results as plain turns). Off: 400.
     tool_prompt: bool = False
+    # This model's idle time before it lets go (see `[devices.NAME] keep_alive`); default: its
+    # device's.
+    keep_alive: Duration | None = None
     trust_remote_code: bool = False
     allow_pickle: bool = False
 

@@ -15,6 +15,7 @@ from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.engine import Engine
 from packserve.core.events import EventSink, log_event
+from packserve.core.idle import IdleRule
 from packserve.core.loader import FootprintStore
 from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
 from packserve.core.policy import VictimPolicy, make_policy
@@ -157,6 +158,8 @@ def build_scheduler(
         load_nice=config.server.load_nice,
         load_turn=config.server.load_turn,
         warm_tier={b.name for b in budgets if config.device_config(b.name).warm_tier},
+        idle={b.name: IdleRule(dev.keep_alive, dev.cold_after)
+              for b in budgets for dev in [config.device_config(b.name)]},
         sinks=sinks,
         check_files=backends.check_weights,
     )

@@ -4,6 +4,7 @@ a broken model that fails alone, and a cross-encoder reranker given by path."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -288,3 +289,32 @@ source = "pickled"
 """)
     with pytest.raises(ConfigError, match="safetensors"):
         build_scheduler(config)
+
+
+def test_a_model_with_a_keep_alive_lets_go_when_idle_and_comes_back(models_dir: Path) -> None:
+    """keep_alive on one model of the default catalog (issue 32): idle past it, the embedder
+    leaves with `cause: idle`, its memory back in /v1/residency; the chat model stays."""
+    config = default_config(models_dir, only_models=["all-minilm-l6-v2",
+                                                     "smollm2-135m-instruct"])
+    config = config.model_copy(update={"models": [
+        m.model_copy(update={"keep_alive": 0.5 if m.name == "all-minilm-l6-v2" else None})
+        for m in config.models]})
+    with serve(config) as server, server.client() as c:
+        chat = REQUESTS["smollm2-135m-instruct"]
+        assert c.post(chat[0], json={"model": "smollm2-135m-instruct", **chat[1]}).is_success
+        embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
+        assert c.post("/v1/embeddings", json=embed).is_success
+        deadline = time.monotonic() + 60  # a bound on waiting, not a timing assertion
+        while not any(isinstance(e, EvictEvent) for e in server.events):
+            assert time.monotonic() < deadline, "the idle embedder was never let go"
+            time.sleep(0.1)
+        (event,) = [e for e in server.events if isinstance(e, EvictEvent)]
+        assert (event.model, event.cause) == ("all-minilm-l6-v2", "idle")
+        rows = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
+        assert rows["all-minilm-l6-v2"]["state"] in ("warm", "cold")
+        assert rows["smollm2-135m-instruct"]["state"] == "hot"
+        used = c.get("/v1/residency").json()["devices"][0]["used_bytes"]
+        embedder = rows["all-minilm-l6-v2"]
+        held = (embedder["bytes_warm"] or 0) if embedder["state"] == "warm" else 0  # its copy
+        assert used == rows["smollm2-135m-instruct"]["bytes_measured"] + held
+        assert c.post("/v1/embeddings", json=embed).is_success  # back on its next request

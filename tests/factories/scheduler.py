@@ -20,6 +20,7 @@ from packserve.config import ModelSpec
 from packserve.core.backend import Backend, LoadSpec, Runner
 from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
+from packserve.core.idle import IdleRule
 from packserve.core.loader import FootprintStore
 from packserve.core.policy import ResidentView, VictimPolicy, lru_by_bytes
 from packserve.core.scheduler import Scheduler
@@ -130,7 +131,7 @@ def entry(
     name: str, mib: int = 100, *, declared_mib: int | None = None, weights: str | None = None,
     pin: bool = False, max_concurrency: int = 32, max_queue: int = 64,
     max_memory: int | None = None, tasks: Sequence[Task] = (Task.EMBED,),
-    context_length: int = 0, warm_mib: int | None = None,
+    context_length: int = 0, warm_mib: int | None = None, keep_alive: float | None = None,
 ) -> Entry:
     """A fake model estimated at `mib` MiB whose backend declares `declared_mib` (default: same)
     and, with `warm_mib`, a warm state that keeps that much.
@@ -141,7 +142,7 @@ def entry(
     source = f"fake:{declared_mib or mib}MiB" + (f"?warm={warm_mib}MiB" if warm_mib else "")
     spec = ModelSpec(name=name, tasks=list(tasks), backend="fake", source=source, device="cpu",
                      pin=pin, max_concurrency=max_concurrency, max_queue=max_queue,
-                     max_memory=max_memory)
+                     max_memory=max_memory, keep_alive=keep_alive)
     load = LoadSpec(backend="fake", path=Path(weights or name) / source, device="cpu",
                     context_length=context_length)
     return Entry(spec=spec, load=load, bytes_estimated=mib * MIB)
@@ -190,6 +191,7 @@ def harness(
     sleep: Sleeper | None = None,
     victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
     check_files: bool = False, warm_tier: bool = False, load_turn: float = 0.0,
+    idle: IdleRule | None = None,
 ) -> Harness:
     """A scheduler over `entries` on one cpu device. Call inside a running event loop.
 
@@ -222,6 +224,7 @@ def harness(
         sleep=sleep or asyncio.sleep, victim_policy=victim_policy,
         check_files=check_weights if check_files else None,
         warm_tier={"cpu"} if warm_tier else (), load_turn=load_turn,
+        idle={"cpu": idle} if idle else None,
     )
     h = Harness(scheduler=scheduler, control=control, events=events, probe=probe, clock=clock,
                 capacity=(budget_mib - headroom_mib) * MIB, built=built, building=building)

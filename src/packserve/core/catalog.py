@@ -36,6 +36,8 @@ class Served(Protocol):
     def max_queue(self) -> int: ...  # requests waiting beyond those
     @property
     def max_memory(self) -> int | None: ...  # a quota on its weights' bytes
+    @property
+    def keep_alive(self) -> float | None: ...  # idle seconds before it lets go; None: device's
 
 
 @dataclass(frozen=True)

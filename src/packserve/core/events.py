@@ -31,7 +31,8 @@ class EvictEvent:
     reason: str
     # make_room (another load needed the bytes), memory_retry (a load ran out of memory),
     # budget_shrank, overshoot (a load measured over its estimate and the device over its
-    # budget), operator, retired (quarantined or removed from the catalog)
+    # budget), operator, retired (quarantined or removed from the catalog), idle (its
+    # keep_alive ran out)
     cause: str = "make_room"
     policy: str = ""  # the device's victim policy, when it chose this victim
     why: str = ""  # the policy's words: "reload 0.4 s, next use expected in 90 s, ..."

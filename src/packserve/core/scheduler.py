@@ -57,6 +57,7 @@ from packserve.core.events import (
     emit,
     log_event,
 )
+from packserve.core.idle import IdleReaper, IdleRule
 from packserve.core.lease import Lease, Visit
 from packserve.core.loader import FootprintStore, Loader, is_memory_failure
 from packserve.core.locks import LOCK_RETRY_AFTER_S, DeviceLocks
@@ -110,6 +111,7 @@ class Scheduler:
         load_nice: int = 0,
         warm_tier: Iterable[str] = (),
         load_turn: float = 0.0,
+        idle: Mapping[str, IdleRule] | None = None,
     ) -> None:
         self._clock = clock
         self._load_wait_s = load_wait_s
@@ -135,6 +137,8 @@ class Scheduler:
                             changed=self._changed.fire)
         self._background = Background()  # pin retries, retirements
         self._retirer = Retirer(self._residency, self._tiers, self._changed, self._locks.hold)
+        self._idle = IdleReaper(self._residency, self._tiers, self._changed, self._locks.hold,
+                                rules=idle or {}, clock=clock)  # keep_alive, per device
         self._pins = PinKeeper(functools.partial(self._ensure_hot, ignore_cooldown=True),
                                self._background.spawn, self._listed,
                                clock=clock, sleep=sleep, retry_s=pin_retry_s)
@@ -155,6 +159,7 @@ class Scheduler:
         and is retried in the background with backoff; `ready()` says why and when."""
         self.check_pins()
         await self._pins.load([m for m in self._residency.models.values() if m.pinned])
+        self._background.spawn(self._idle.run(), "packserve idle models")
         # What starting allocated and freed (config, catalog, imports) goes back to the OS,
         # heap that glibc would otherwise keep for the idle worker's whole life.
         await asyncio.to_thread(self._loader.probe.release, "cpu")
@@ -311,12 +316,9 @@ class Scheduler:
         task.add_done_callback(_retrieve)  # waiters get its outcome; nobody else needs it
         return task
 
-    def _wanted(self, res: Resident) -> bool:
-        """Whether a load of `res` should go on: somebody waits for it and it may be served."""
-        return res.flight.callers > 0 and res.quarantine is None and not self._closing
-
     def _check_wanted(self, res: Resident) -> None:
-        if not self._wanted(res):
+        """Stop a load of `res` unless somebody waits for it and it may be served."""
+        if res.flight.callers == 0 or res.quarantine is not None or self._closing:
             raise _Abandoned
 
     async def _abandonable(self, res: Resident, wait: Callable[[], Awaitable[T]]) -> T:

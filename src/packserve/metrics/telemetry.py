@@ -97,8 +97,9 @@ class Telemetry:
             ["model", "event"], registry=self.registry)
         self._evictions = Counter(
             "packserve_evictions", "Evictions by cause (make_room, memory_retry, budget_shrank, "
-            "operator, retired) and the victim policy that chose the victim (cost, lru; none "
-            "when no policy chose); the policy's reasons are in /v1/residency's recent events",
+            "overshoot, operator, retired, idle) and the victim policy that chose the victim "
+            "(cost, lru; none when no policy chose); the policy's reasons are in /v1/residency's "
+            "recent events",
             ["model", "device", "cause", "policy"], registry=self.registry)
         self._compute_wait = Counter(
             "packserve_compute_wait_seconds", "Seconds requests' engine calls waited for their "

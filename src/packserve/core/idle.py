@@ -1,0 +1,109 @@
+"""Idle models let go (`keep_alive`): a model with no request for its keep-alive leaves its
+device for the warm tier (cold where there is none), and a warm copy with none for a further
+`cold_after` goes cold. Pins, busy models and loads in flight are exempt.
+
+`due` is pure: when a resident's idle move is due, from plain numbers. `IdleReaper` is the
+background task that applies it, taking the device lock for each move (like an eviction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+
+from packserve.core.background import Changed
+from packserve.core.residency import Residency
+from packserve.core.resident import Resident
+from packserve.core.tiers import Tiers
+from packserve.errors import ModelUnavailable
+from packserve.types import State
+from packserve.units import format_duration
+
+log = logging.getLogger("packserve.scheduler")
+
+
+@dataclass(frozen=True)
+class IdleRule:
+    """A device's default: seconds idle before a hot model lets go, and then before a warm
+    copy goes cold (`math.inf`: never)."""
+
+    keep_alive_s: float = math.inf
+    cold_after_s: float = math.inf
+
+
+def due(state: State, last_used: float, keep_alive_s: float, cold_after_s: float) -> float:
+    """When a resident at rest in `state`, last used at `last_used`, leaves its tier for being
+    idle: hot after `keep_alive_s`, warm after `keep_alive_s + cold_after_s`; `math.inf` for
+    never (other states, or a keep-alive of never)."""
+    if state is State.HOT:
+        return last_used + keep_alive_s
+    if state is State.WARM:
+        return last_used + keep_alive_s + cold_after_s
+    return math.inf
+
+
+class IdleReaper:
+    """Lets idle residents go when their keep-alive runs out. Runs as one background task;
+    wakes at the next expiry, and whenever a request ends or memory changes."""
+
+    def __init__(self, residency: Residency, tiers: Tiers, changed: Changed,
+                 lock: Callable[[str, str], AbstractAsyncContextManager[None]], *,
+                 rules: Mapping[str, IdleRule], clock: Callable[[], float]) -> None:
+        self._residency = residency
+        self._tiers = tiers
+        self._changed = changed
+        self._lock = lock  # (device, who): the device's lock, bounded by load_wait_s
+        self._rules = rules
+        self._clock = clock
+
+    def keep_alive_s(self, res: Resident) -> float:
+        """The longest keep-alive of the models that use `res` (a model's own, else its
+        device's): weights shared by two names stay as long as the more patient one asks."""
+        default = self._rules.get(res.load.device, IdleRule()).keep_alive_s
+        return max((ka if (ka := self._residency.models[n].spec.keep_alive) is not None
+                    else default for n in res.models), default=default)
+
+    def due(self, res: Resident) -> float:
+        """When `res` lets go for being idle now, or `math.inf`."""
+        if (res.leases or res.flight.task is not None or not res.models
+                or self._residency.is_pinned(res)):
+            return math.inf
+        rule = self._rules.get(res.load.device, IdleRule())
+        return due(res.state, res.last_used, self.keep_alive_s(res), rule.cold_after_s)
+
+    async def run(self) -> None:
+        while True:
+            changed = self._changed.event  # taken before looking, so no signal is missed
+            now = self._clock()
+            times = {res.key: self.due(res) for res in self._residency.residents.values()}
+            ripe = [k for k, at in times.items() if at <= now]
+            for key in ripe:
+                res = self._residency.residents.get(key)
+                if res is not None:
+                    await self._let_go(res)
+            if ripe:
+                continue
+            left = min(times.values(), default=math.inf) - now
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if math.isinf(left) else left):
+                    await changed.wait()
+
+    async def _let_go(self, res: Resident) -> None:
+        try:
+            async with self._lock(res.load.device, f"letting idle {res.label} go"):
+                if self.due(res) > self._clock():  # used, pinned or moved meanwhile
+                    return
+                idle = self._clock() - res.last_used
+                tier = (State.WARM if res.state is State.HOT and self._residency.goes_warm(res)
+                        else State.COLD)
+                idle_for = format_duration(round(idle, 1) if idle < 60 else round(idle))
+                await self._tiers.evict_to(
+                    res, tier, f"idle for {idle_for} "
+                    f"(keep_alive {format_duration(self.keep_alive_s(res))})", cause="idle")
+        except ModelUnavailable as exc:
+            log.warning("%s; trying again when the device is free", exc.message)
