@@ -109,30 +109,86 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     assert summary["crashes"][0]["signal"] == "SIGSEGV"
 
 
+GEN_QUARANTINE = {"gen": "engine crashed: SIGILL while serving chat"}
+
+
+def quarantine_gen(srv: Served, c: httpx.Client) -> None:
+    """Crash gen's engine twice (SIGILL): the front quarantines it."""
+    for attempt in range(2):
+        pid = srv.worker_pid()
+        r = c.post(CHAT, json=chat_body("@@signal=ILL"))
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        message = r.json()["error"]["message"]
+        assert "SIGILL" in message and "'gen'" in message
+        srv.wait_ready(other_than_pid=pid)
+        if attempt == 1:
+            assert "now failed until an operator loads it" in message
+    assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
+
+
+def assert_quarantined(srv: Served, c: httpx.Client) -> None:
+    assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
+    r = c.post(CHAT, json=chat_body("hello"))
+    assert r.status_code == 503, r.text
+    assert GEN_QUARANTINE["gen"] in r.json()["error"]["message"]
+
+
 def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served: Served) -> None:
     srv = served
     with srv.client() as c:
-        for attempt in range(2):
-            pid = srv.worker_pid()
-            r = c.post(CHAT, json=chat_body("@@signal=ILL"))
-            assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] == "1"
-            message = r.json()["error"]["message"]
-            assert "SIGILL" in message and "'gen'" in message
-            srv.wait_ready(other_than_pid=pid)
-            if attempt == 1:
-                assert "now failed until an operator loads it" in message
+        quarantine_gen(srv, c)
         # The crash loop is broken: gen answers 503 at once, naming why; emb serves on.
-        r = c.post(CHAT, json=chat_body("hello"))
-        assert r.status_code == 503
-        assert "engine crashed: SIGILL while serving chat" in r.json()["error"]["message"]
+        assert_quarantined(srv, c)
         assert c.post("/v1/embeddings", json=embed("still here")).status_code == 200
-        assert srv.health()["worker"]["quarantined"] == {  # type: ignore[index]
-            "gen": "engine crashed: SIGILL while serving chat"}
+        # The worker reports the operator's load on its control pipe (`operator_loaded`); the
+        # front lifts the quarantine on that.
         assert c.post("/v1/residency/gen/load").status_code == 200
+        assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
         assert c.post(CHAT, json=chat_body("hello again")).json()["choices"][0]["message"][
             "content"] == "hello again"
+        # Its charges went with it: the next worker starts it as any other model.
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)  # nothing running: charged to nobody
+        srv.wait_ready(other_than_pid=pid)
+        assert c.post(CHAT, json=chat_body("still fine")).status_code == 200
         assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
+
+
+def test_only_an_operators_load_that_succeeded_lifts_a_quarantine(
+        served: Served, tmp_path: Path) -> None:
+    """The front decides on the worker's report, not on a request's path or status: requests
+    that look like the load (another verb, another method, another model) and an operator's
+    load that fails leave the quarantine in place, in this worker and the next."""
+    srv = served
+    config = tmp_path / "packserve.toml"
+    original = config.read_text("utf-8")
+    with srv.client() as c:
+        quarantine_gen(srv, c)
+        assert c.get("/v1/residency/gen/load").status_code == 405
+        assert c.post("/v1/residency/gen/load/").status_code != 200
+        assert c.post("/v1/residency/gen/unload").status_code == 200  # a verb, not a load
+        assert c.post("/v1/residency/emb/load").status_code == 200  # another model's load
+        assert_quarantined(srv, c)
+
+        # An operator's load that fails: gen's quota now holds less than its weights.
+        config.write_text(original.replace("max_concurrency = 4",
+                                           'max_concurrency = 4\nmax_memory = "1MiB"'), "utf-8")
+        assert c.post("/v1/admin/reload").status_code == 200
+        r = c.post("/v1/residency/gen/load")
+        assert r.status_code == 507, r.text
+        assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
+        # The front still owns it: the next worker starts with gen quarantined.
+        config.write_text(original, "utf-8")
+        assert c.post("/v1/admin/reload").status_code == 200
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)  # nothing running: charged to nobody
+        srv.wait_ready(other_than_pid=pid)
+        assert_quarantined(srv, c)
+
+        assert c.post("/v1/residency/gen/load").status_code == 200
+        assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
+        assert c.post(CHAT, json=chat_body("back")).status_code == 200
 
 
 def test_a_responses_stream_cut_by_a_crash_ends_with_typed_events(served: Served) -> None:
