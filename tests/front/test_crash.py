@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.factories import Served, chat_body, fake_config, serve_process
+from tests.factories.sdk import assert_response_failed, openai_client
 
 CHAT = "/v1/chat/completions"
 
@@ -224,6 +226,53 @@ def test_a_responses_stream_cut_by_a_crash_ends_with_typed_events(served: Served
     response = failed["response"]
     assert response["id"] == events[0]["response"]["id"] and response["status"] == "failed"
     assert response["error"] == {"code": "engine_crashed", "message": error["message"]}
+    srv.wait_ready(other_than_pid=pid)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_worker_killed_mid_stream_is_an_api_error_in_the_openai_sdk(
+        served: Served, route: str) -> None:
+    """Chat and completions streams cut by the worker's death end with an error event in
+    OpenAI's shape and [DONE]: the SDK raises APIError with its code and message (pool side:
+    tests/pool/test_pool.py, a killed replica)."""
+    srv = served
+    with srv.client() as c:
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
+    client = openai_client(srv.url)
+    text = "streamed @@sleep=30"
+    chunks: Iterator[object]
+    if route == "chat":
+        chunks = iter(client.chat.completions.create(
+            model="gen", messages=[{"role": "user", "content": text}], stream=True))
+    else:
+        chunks = iter(client.completions.create(model="gen", prompt=text, stream=True))
+    next(chunks)  # it has started
+    pid = srv.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as caught:
+        for _ in chunks:
+            pass
+    assert caught.value.code == "engine_crashed", caught.value.body
+    assert "SIGKILL" in caught.value.message and "'gen'" in caught.value.message
+    assert isinstance(caught.value.body, dict) and caught.value.body["type"] == "model_unavailable"
+    srv.wait_ready(other_than_pid=pid)
+
+
+def test_a_worker_killed_mid_stream_is_a_failed_response_in_the_openai_sdk(
+        served: Served) -> None:
+    """A /v1/responses stream cut by the worker's death ends in-band: the SDK yields a typed
+    `error` event and `response.failed` for the same response, and raises nothing."""
+    srv = served
+    with srv.client() as c:
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
+    events = iter(openai_client(srv.url).responses.create(
+        model="gen", input="streamed @@sleep=30", stream=True))
+    created = next(events)
+    assert created.type == "response.created"
+    pid = srv.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    error = assert_response_failed([created, *events], "engine_crashed")
+    assert "SIGKILL" in error.message and "'gen'" in error.message
     srv.wait_ready(other_than_pid=pid)
 
 
