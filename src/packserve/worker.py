@@ -8,7 +8,9 @@ The front (packserve.front) starts it with `python -m packserve.worker` and thes
 - `PACKSERVE_CONTROL_FD`: a pipe to the front. Before a model's engine is called (a request's
   lease starts, a load starts) and after, the worker writes one JSON line there, so that if the
   process dies the front knows which models' engines were running: those are charged with the
-  crash; every other request is safe to send again;
+  crash; every other request is safe to send again. After an operator's load succeeds it writes
+  one more (`operator_loaded`): the front then lifts that model's quarantine and forgets its
+  charges;
 - `PACKSERVE_QUARANTINE`: JSON `{model: reason}`, models charged with repeated crashes, which
   stay failed until an operator loads them.
 
@@ -53,7 +55,9 @@ log = logging.getLogger("packserve.worker")
 
 
 class ControlChannel:
-    """The worker's half of the pipe to the front: one JSON line per engine call start/end.
+    """The worker's half of the pipe to the front, and its only writer: one JSON line (`k`
+    says what) per engine call start and end, per operator load that succeeded, and for the
+    first-start work the worker is busy with.
 
     Lines are under PIPE_BUF (4 KiB) so each write is atomic; writes happen on the event loop
     thread, before the engine is called, so the front has the line if the engine then crashes.
@@ -95,6 +99,11 @@ class ControlChannel:
             self.send({"k": "load", "model": event.model})
         elif isinstance(event, events.LoadEvent | events.LoadFailedEvent):
             self.send({"k": "loaded", "model": event.model})
+        elif isinstance(event, events.OperatorLoadEvent):
+            # Written before the admin route answers 200, on a pipe the front's event loop
+            # reads: the front has acted on it before it reads any request its client sends
+            # after that answer.
+            self.send({"k": "operator_loaded", "model": event.model})
 
 
 def _die_with_parent() -> None:

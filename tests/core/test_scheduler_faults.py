@@ -25,6 +25,7 @@ from packserve.core.events import (
     LoadEvent,
     LoadFailedEvent,
     LoadStartEvent,
+    OperatorLoadEvent,
     RequestEvent,
     RequestStartEvent,
     log_event,
@@ -294,6 +295,28 @@ async def test_quarantine_refuses_requests_with_the_reason_until_an_operator_loa
     assert h.state("q") is State.HOT
     assert h.status("q").error is None
     await use(s, "q")
+    await s.close()
+
+
+async def test_an_operators_load_is_reported_once_it_succeeded_and_never_when_it_failed() -> None:
+    """The front lifts its quarantine on OperatorLoadEvent alone (packserve.front.supervisor):
+    a failed operator load must not emit it, nor a load a request caused."""
+    h = harness([entry("q"), entry("other")], budget_mib=1024)
+    s = h.scheduler
+    s.quarantine("q", CRASH)
+    h.control.fail_next = 1
+    h.control.failure = lambda name: ValueError(f"Failed to load model from file: {name}")
+    with pytest.raises(ModelUnavailable):
+        await s.load("q")
+    assert h.events.of(OperatorLoadEvent) == []
+    await use(s, "other")  # loaded for a request, not by an operator
+    assert h.events.of(OperatorLoadEvent) == []
+
+    await s.load("q")
+    assert h.state("q") is State.HOT
+    assert h.events.of(OperatorLoadEvent) == [OperatorLoadEvent(model="q", device="cpu")]
+    await s.load("q")  # already hot: the operator's load still succeeded
+    assert [e.model for e in h.events.of(OperatorLoadEvent)] == ["q", "q"]
     await s.close()
 
 

@@ -1,6 +1,7 @@
 """Test factories, shared by every test module, by what they build: the default catalog
 (`catalog`), servers in this process and as processes (`servers`), scheduler and policy
-fixtures (`scheduler`), Ray pools (`pool`). Everything is importable from here too."""
+fixtures (`scheduler`), Ray pools (`pool`). Everything is importable from here too, but for the
+openai SDK as a client (`sdk`: import it from there; openai takes about a second to import)."""
 
 from __future__ import annotations
 

@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.factories import Served, chat_body, fake_config, serve_process
+from tests.factories.sdk import assert_response_failed, openai_client
 
 CHAT = "/v1/chat/completions"
 
@@ -109,30 +111,86 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     assert summary["crashes"][0]["signal"] == "SIGSEGV"
 
 
+GEN_QUARANTINE = {"gen": "engine crashed: SIGILL while serving chat"}
+
+
+def quarantine_gen(srv: Served, c: httpx.Client) -> None:
+    """Crash gen's engine twice (SIGILL): the front quarantines it."""
+    for attempt in range(2):
+        pid = srv.worker_pid()
+        r = c.post(CHAT, json=chat_body("@@signal=ILL"))
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        message = r.json()["error"]["message"]
+        assert "SIGILL" in message and "'gen'" in message
+        srv.wait_ready(other_than_pid=pid)
+        if attempt == 1:
+            assert "now failed until an operator loads it" in message
+    assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
+
+
+def assert_quarantined(srv: Served, c: httpx.Client) -> None:
+    assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
+    r = c.post(CHAT, json=chat_body("hello"))
+    assert r.status_code == 503, r.text
+    assert GEN_QUARANTINE["gen"] in r.json()["error"]["message"]
+
+
 def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served: Served) -> None:
     srv = served
     with srv.client() as c:
-        for attempt in range(2):
-            pid = srv.worker_pid()
-            r = c.post(CHAT, json=chat_body("@@signal=ILL"))
-            assert r.status_code == 503, r.text
-            assert r.headers["retry-after"] == "1"
-            message = r.json()["error"]["message"]
-            assert "SIGILL" in message and "'gen'" in message
-            srv.wait_ready(other_than_pid=pid)
-            if attempt == 1:
-                assert "now failed until an operator loads it" in message
+        quarantine_gen(srv, c)
         # The crash loop is broken: gen answers 503 at once, naming why; emb serves on.
-        r = c.post(CHAT, json=chat_body("hello"))
-        assert r.status_code == 503
-        assert "engine crashed: SIGILL while serving chat" in r.json()["error"]["message"]
+        assert_quarantined(srv, c)
         assert c.post("/v1/embeddings", json=embed("still here")).status_code == 200
-        assert srv.health()["worker"]["quarantined"] == {  # type: ignore[index]
-            "gen": "engine crashed: SIGILL while serving chat"}
+        # The worker reports the operator's load on its control pipe (`operator_loaded`); the
+        # front lifts the quarantine on that.
         assert c.post("/v1/residency/gen/load").status_code == 200
+        assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
         assert c.post(CHAT, json=chat_body("hello again")).json()["choices"][0]["message"][
             "content"] == "hello again"
+        # Its charges went with it: the next worker starts it as any other model.
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)  # nothing running: charged to nobody
+        srv.wait_ready(other_than_pid=pid)
+        assert c.post(CHAT, json=chat_body("still fine")).status_code == 200
         assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
+
+
+def test_only_an_operators_load_that_succeeded_lifts_a_quarantine(
+        served: Served, tmp_path: Path) -> None:
+    """The front decides on the worker's report, not on a request's path or status: requests
+    that look like the load (another verb, another method, another model) and an operator's
+    load that fails leave the quarantine in place, in this worker and the next."""
+    srv = served
+    config = tmp_path / "packserve.toml"
+    original = config.read_text("utf-8")
+    with srv.client() as c:
+        quarantine_gen(srv, c)
+        assert c.get("/v1/residency/gen/load").status_code == 405
+        assert c.post("/v1/residency/gen/load/").status_code != 200
+        assert c.post("/v1/residency/gen/unload").status_code == 200  # a verb, not a load
+        assert c.post("/v1/residency/emb/load").status_code == 200  # another model's load
+        assert_quarantined(srv, c)
+
+        # An operator's load that fails: gen's quota now holds less than its weights.
+        config.write_text(original.replace("max_concurrency = 4",
+                                           'max_concurrency = 4\nmax_memory = "1MiB"'), "utf-8")
+        assert c.post("/v1/admin/reload").status_code == 200
+        r = c.post("/v1/residency/gen/load")
+        assert r.status_code == 507, r.text
+        assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
+        # The front still owns it: the next worker starts with gen quarantined.
+        config.write_text(original, "utf-8")
+        assert c.post("/v1/admin/reload").status_code == 200
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)  # nothing running: charged to nobody
+        srv.wait_ready(other_than_pid=pid)
+        assert_quarantined(srv, c)
+
+        assert c.post("/v1/residency/gen/load").status_code == 200
+        assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
+        assert c.post(CHAT, json=chat_body("back")).status_code == 200
 
 
 def test_a_responses_stream_cut_by_a_crash_ends_with_typed_events(served: Served) -> None:
@@ -168,6 +226,53 @@ def test_a_responses_stream_cut_by_a_crash_ends_with_typed_events(served: Served
     response = failed["response"]
     assert response["id"] == events[0]["response"]["id"] and response["status"] == "failed"
     assert response["error"] == {"code": "engine_crashed", "message": error["message"]}
+    srv.wait_ready(other_than_pid=pid)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_worker_killed_mid_stream_is_an_api_error_in_the_openai_sdk(
+        served: Served, route: str) -> None:
+    """Chat and completions streams cut by the worker's death end with an error event in
+    OpenAI's shape and [DONE]: the SDK raises APIError with its code and message (pool side:
+    tests/pool/test_pool.py, a killed replica)."""
+    srv = served
+    with srv.client() as c:
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
+    client = openai_client(srv.url)
+    text = "streamed @@sleep=30"
+    chunks: Iterator[object]
+    if route == "chat":
+        chunks = iter(client.chat.completions.create(
+            model="gen", messages=[{"role": "user", "content": text}], stream=True))
+    else:
+        chunks = iter(client.completions.create(model="gen", prompt=text, stream=True))
+    next(chunks)  # it has started
+    pid = srv.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError) as caught:
+        for _ in chunks:
+            pass
+    assert caught.value.code == "engine_crashed", caught.value.body
+    assert "SIGKILL" in caught.value.message and "'gen'" in caught.value.message
+    assert isinstance(caught.value.body, dict) and caught.value.body["type"] == "model_unavailable"
+    srv.wait_ready(other_than_pid=pid)
+
+
+def test_a_worker_killed_mid_stream_is_a_failed_response_in_the_openai_sdk(
+        served: Served) -> None:
+    """A /v1/responses stream cut by the worker's death ends in-band: the SDK yields a typed
+    `error` event and `response.failed` for the same response, and raises nothing."""
+    srv = served
+    with srv.client() as c:
+        assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
+    events = iter(openai_client(srv.url).responses.create(
+        model="gen", input="streamed @@sleep=30", stream=True))
+    created = next(events)
+    assert created.type == "response.created"
+    pid = srv.worker_pid()
+    os.kill(pid, signal.SIGKILL)
+    error = assert_response_failed([created, *events], "engine_crashed")
+    assert "SIGKILL" in error.message and "'gen'" in error.message
     srv.wait_ready(other_than_pid=pid)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -52,6 +53,40 @@ def test_a_worker_that_refuses_its_config_at_the_first_start_stops_the_server(
             await asyncio.wait_for(supervisor.refused.wait(), 120)
             assert supervisor.config_error is not None
             assert await supervisor.wait_up(0) is None
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_quarantine_is_lifted_by_the_workers_report_of_an_operators_load(
+        tmp_path: Path) -> None:
+    """The supervisor owns quarantine: it hands it to the worker, and lifts it when the worker
+    reports on its control pipe that an operator's load succeeded (`operator_loaded`), whoever
+    relayed that load; here no front app does, only the supervisor's own client."""
+    config = load_config(fake_config(tmp_path))
+    reason = "engine crashed: SIGILL while serving chat"
+
+    async def scenario() -> None:
+        supervisor = Supervisor(config)
+        supervisor.quarantined["gen"] = reason  # as two crashes within crash_window_s leave it
+        await supervisor.start()
+        try:
+            worker = await supervisor.wait_up(120)
+            assert worker is not None
+            status, body = await worker.call("GET", "/v1/residency")
+            states = {m["name"]: m["state"] for m in json.loads(body)["models"]}
+            assert status == 200 and states["gen"] == "failed"  # the worker was handed it
+            status, _ = await worker.call("POST", "/v1/residency/emb/load")
+            assert status == 200
+            assert supervisor.quarantined == {"gen": reason}  # another model's load
+            status, body = await worker.call("POST", "/v1/residency/gen/load")
+            assert status == 200, body
+            # The report was written before that answer: the supervisor has read it by the
+            # time any later answer from the worker comes back.
+            status, _ = await worker.call("GET", "/healthz")
+            assert status == 200
+            assert supervisor.quarantined == {}
         finally:
             await supervisor.stop()
 

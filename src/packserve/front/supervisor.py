@@ -6,6 +6,11 @@ socket and its client. The worker tells the supervisor, over a pipe, when an eng
 and ends (packserve.worker.ControlChannel), so the supervisor can say who was running when the
 process died, whatever killed it (a native fault, the OOM killer, an operator's kill).
 
+Quarantine has one owner, this supervisor: it charges crashes, quarantines a model charged twice
+within crash_window_s, hands the quarantine to each new worker (PACKSERVE_QUARANTINE), and lifts
+it, with the model's charges, when the worker reports on the pipe that an operator's load of
+that model succeeded (`operator_loaded`). Nothing else clears it.
+
 Invariants: everything here runs on the front's event loop; `Supervisor.current` is the newest
 generation; a `Worker.dead` future is resolved exactly once, after the process has exited and
 its pipe has been read to the end, so a crash's charge never misses a line written before it.
@@ -104,6 +109,8 @@ class Worker:
     proc: asyncio.subprocess.Process
     socket_path: Path
     started_at: float
+    # Called with a model's name when the worker reports that an operator's load of it succeeded.
+    on_operator_load: Callable[[str], None]
     up: asyncio.Event = field(default_factory=asyncio.Event)
     up_at: float = 0.0
     dead: asyncio.Future[Crash | None] = field(
@@ -148,6 +155,8 @@ class Worker:
                 self.loading[msg["model"]] = left
             else:
                 self.loading.pop(msg["model"], None)
+        elif kind == "operator_loaded":
+            self.on_operator_load(msg["model"])
 
 
 class Supervisor:
@@ -237,9 +246,11 @@ class Supervisor:
         except TimeoutError:
             raise WorkerAlive(worker.pid) from None
 
-    def cleared(self, model: str) -> None:
-        """An operator loaded `model`: it is no longer quarantined, its charges are forgiven."""
-        self.quarantined.pop(model, None)
+    def _operator_loaded(self, model: str) -> None:
+        """A worker reported that an operator's load of `model` succeeded: it is no longer
+        quarantined, its charges are forgiven."""
+        if self.quarantined.pop(model, None) is not None:
+            log.info("%s: quarantine lifted by an operator's load", model)
         self._charges.pop(model, None)
 
     def view(self) -> dict[str, object]:
@@ -278,7 +289,7 @@ class Supervisor:
         finally:
             os.close(write_fd)
         worker = Worker(generation=gen, proc=proc, socket_path=socket_path,
-                        started_at=self._clock())
+                        started_at=self._clock(), on_operator_load=self._operator_loaded)
         self.current = worker
         self.state = WorkerState.STARTING if gen == 1 else WorkerState.RESTARTING
         self._notify()
