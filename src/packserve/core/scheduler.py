@@ -10,12 +10,10 @@ Vocabulary: a *model* is a catalog entry (the name clients send, `core.queue.Mod
 *resident* is one set of weights on one device (`core.resident`); catalog entries with the
 same `LoadSpec` share one resident. Memory, states and eviction are per resident; quotas per
 model. A request goes acquire -> ensure hot -> load -> admit -> evict; its states move along
-`core.resident.TRANSITIONS` (drawn in docs/scheduling.md). The scheduler decides and applies;
-the tables it decides over, their policy snapshots and status views are `core.residency`; the
-engine calls run in `core.loader`, moves between tiers in `core.tiers`, the queue in
-`core.queue`, the catalog diff in `core.catalog`, pin retries in `core.pins`, background tasks
-and the memory-changed signal in `core.background`, a request's accounting in `core.lease`, the
-device locks in `core.locks`, retirements in `core.retire`.
+`core.resident.TRANSITIONS` (drawn in docs/scheduling.md). The scheduler decides and applies.
+Elsewhere in `core`: residency (tables, policy snapshots, views), loader (engine calls), tiers
+(moves between tiers), queue, catalog (the diff), pins (retries), background (tasks, the
+memory-changed signal), lease (a request's accounting), locks, retire, idle (keep_alive).
 
 Invariants (all state lives on the event loop thread; only backend calls run in threads):
 - `res.leases` counts requests that hold or wait for the resident; a resident with leases is
@@ -517,9 +515,8 @@ class Scheduler:
     # ----------------------------------------------------------------- admin
 
     async def load(self, name: str) -> None:
-        """Operator action: load `name` now, clearing a failed state (cooldown or quarantine).
-        Once it is hot, says so in an OperatorLoadEvent: the front clears its own quarantine and
-        crash charges on that, and on nothing else."""
+        """Operator action: load `name` now, clearing a failed state (cooldown or quarantine);
+        once hot, an OperatorLoadEvent says so (the front lifts its quarantine on that alone)."""
         res = self._residency.model(name).resident
         res.quarantine = None
         res.failed_until = 0.0
@@ -606,14 +603,13 @@ class Scheduler:
         """Make `entries` the catalog without dropping a request. Raises ConfigError, having
         changed nothing, if the new pins do not fit or `devices` adds or removes a device.
 
-        Called by the reload path (SIGHUP, POST /v1/admin/reload) with entries it resolved and
-        estimated. A removed model gets 404 at once; its requests in flight and queued finish,
-        then its weights are unloaded unless another model shares them. A model whose weights
-        (LoadSpec) change is a removal plus an addition under the same name. Models that stay
-        keep their queue and take new quotas at once; a pin changed in the file is applied
-        (one set by an operator stays otherwise). New pins are loaded before this returns, and
-        retried in the background if they fail. Budgets may change; a shrunk one evicts idle
-        models until it fits.
+        Called by the reload path (SIGHUP, POST /v1/admin/reload) with resolved, estimated
+        entries. A removed model gets 404 at once; its requests finish, then its weights are
+        unloaded unless another model shares them. New weights (LoadSpec) under a name are a
+        removal plus an addition. Models that stay keep their queue and take new quotas at once;
+        a pin changed in the file is applied (an operator's stays otherwise). New pins load
+        before this returns (retried in the background if they fail). A shrunk budget evicts
+        idle models until it fits.
         """
         async with self._reconfiguring:
             budgets = self._residency.check(entries, devices)
