@@ -80,6 +80,9 @@ class ServerConfig(_Strict):
     # folder, data_dir/models and the folders of the packages that `package:` sources name.
     model_roots: list[str] | None = Field(default=None, min_length=1)
     load_wait_s: float = Field(default=120.0, gt=0)
+    # A load (or a device lock) running longer is wedged: the deep probe says so and the front
+    # restarts the worker, charging the model whose load hung.
+    load_timeout_s: float = Field(default=600.0, gt=0)
     failure_cooldown_s: float = Field(default=30.0, ge=0)
     max_request_bytes: Bytes = 4 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -153,6 +153,7 @@ def build_scheduler(
         entries, budgets, factory or backends.create_backend, probe,
         FootprintStore(config.data_path / "footprints.json"),
         load_wait_s=config.server.load_wait_s,
+        load_timeout_s=config.server.load_timeout_s,
         failure_cooldown_s=config.server.failure_cooldown_s,
         victim_policy=victim_policy,
         load_nice=config.server.load_nice,

@@ -191,7 +191,7 @@ def harness(
     sleep: Sleeper | None = None,
     victim_policy: VictimPolicy | Mapping[str, VictimPolicy] = lru_by_bytes,
     check_files: bool = False, warm_tier: bool = False, load_turn: float = 0.0,
-    idle: IdleRule | None = None,
+    idle: IdleRule | None = None, load_timeout_s: float = 600.0,
 ) -> Harness:
     """A scheduler over `entries` on one cpu device. Call inside a running event loop.
 
@@ -220,6 +220,7 @@ def harness(
         entries, [DeviceBudget("cpu", budget_bytes=budget_mib * MIB,
                                headroom_bytes=headroom_mib * MIB)],
         factory, probe, store, load_wait_s=load_wait_s, failure_cooldown_s=failure_cooldown_s,
+        load_timeout_s=load_timeout_s,
         clock=time.monotonic if real_clock else clock, sinks=(events,),
         sleep=sleep or asyncio.sleep, victim_policy=victim_policy,
         check_files=check_weights if check_files else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from packserve.config import load_config
 from packserve.front.supervisor import Supervisor
-from tests.factories import fake_config
+from tests.factories import fake_config, fake_model
 
 
 def test_a_hung_worker_is_killed_charged_and_replaced(tmp_path: Path) -> None:
@@ -87,6 +88,48 @@ def test_a_quarantine_is_lifted_by_the_workers_report_of_an_operators_load(
             status, _ = await worker.call("GET", "/healthz")
             assert status == 200
             assert supervisor.quarantined == {}
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_wedged_scheduler_is_restarted_and_only_the_hung_load_is_charged(
+        tmp_path: Path) -> None:
+    """Ollama #17408's lesson (issue 32): /healthz answered while the scheduler was stuck. Here
+    a fake load that never returns holds its device's lock past load_timeout_s while a chat
+    request runs: the deep probe says wedged, the worker is killed and replaced, the hung model
+    alone is charged (not the generation that happened to run), and the others answer again."""
+    config = load_config(fake_config(
+        tmp_path, fake_model("hung", source="fake:16MiB?load_s=3600"), load_timeout_s=1.0))
+
+    async def scenario() -> None:
+        supervisor = Supervisor(config, ping_s=0.2, misses=1000)  # only the deep probe kills
+        await supervisor.start()
+        try:
+            worker = await supervisor.wait_up(120)
+            assert worker is not None
+            chat = {"model": "gen", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "@@sleep=60"}]}
+            running = asyncio.create_task(worker.call(
+                "POST", "/v1/chat/completions", json.dumps(chat).encode()))
+            hung = asyncio.create_task(worker.call(
+                "POST", "/v1/embeddings", json.dumps({"model": "hung", "input": "x"}).encode()))
+            crash = await asyncio.wait_for(asyncio.shield(worker.dead), 60)
+            assert crash is not None
+            assert crash.cause == "hung past load_timeout_s"
+            assert crash.charged == ("hung",)  # not gen, whose request was running
+            assert "gen" in {r.model for r in crash.running.values()}
+            for task in (running, hung):
+                with contextlib.suppress(Exception):
+                    await task
+            replacement = await supervisor.wait_up(120)
+            assert replacement is not None and replacement.pid != worker.pid
+            body = json.dumps({"model": "emb", "input": "x"}).encode()
+            status, _ = await replacement.call("POST", "/v1/embeddings", body)
+            assert status == 200
+            status, text = await replacement.call("GET", "/internal/liveness")
+            assert status == 200 and json.loads(text)["status"] == "ok"
         finally:
             await supervisor.stop()
 

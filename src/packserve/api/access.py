@@ -5,8 +5,8 @@
   scope (`Services.call`), and a model outside it is "does not exist or you have no access".
 - admin key: load, unload, offload, pin, unpin, reload.
 - the read-only operator views (`/`, `/metrics`, `/v1/metrics/summary`, `/v1/residency`, the
-  dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`) are open or admin by
-  `server.operator_views`.
+  deep probe `/healthz/deep`, the dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`)
+  are open or admin by `server.operator_views`.
 
 Without a keys file every route is open (and the server listens on localhost only, unless the
 operator accepts the risk with `server.open_to_anyone`). Shared by the front and the worker: the
@@ -31,7 +31,7 @@ OperatorViews = Literal["open", "admin"]
 CALLER: ContextVar[Key | None] = ContextVar("packserve_caller", default=None)
 
 _OPEN = frozenset({"/healthz", "/health", "/readyz"})  # /health: vLLM's and TGI's name
-_VIEWS = frozenset({"/", "/metrics", "/v1/metrics/summary", "/v1/residency",
+_VIEWS = frozenset({"/", "/metrics", "/v1/metrics/summary", "/v1/residency", "/healthz/deep",
                     "/v1/residency/plan", "/v1/residency/plans", "/v1/pool", "/docs",
                     "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 _ADMIN = re.compile(r"^/v1/residency/.+/(load|unload|offload|pin|unpin)$|^/v1/admin/")

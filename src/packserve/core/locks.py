@@ -26,8 +26,14 @@ class DeviceLocks:
     def __init__(self, devices: Iterable[str], *, clock: Callable[[], float],
                  wait_s: float) -> None:
         self._locks = {d: asyncio.Lock() for d in devices}
+        self._holders: dict[str, tuple[str, float]] = {}  # device -> (who, since)
         self._clock = clock
         self._wait_s = wait_s
+
+    def held(self) -> dict[str, tuple[str, float]]:
+        """Who holds each held lock, and since when (the scheduler's clock): the deep probe's
+        reading, taken without waiting for anything."""
+        return dict(self._holders)
 
     @contextlib.asynccontextmanager
     async def hold(self, device: str, who: str, *, deadline: float | None = None,
@@ -45,7 +51,9 @@ class DeviceLocks:
                 f"{who} waited {self._wait_s:g}s for {device}, where another load or "
                 f"unload is still running; retry later", retry_after_s=LOCK_RETRY_AFTER_S
             ) from exc
+        self._holders[device] = (who, self._clock())
         try:
             yield
         finally:
+            del self._holders[device]
             lock.release()

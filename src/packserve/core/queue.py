@@ -43,14 +43,18 @@ class Model:
     # requests waiting for a slot, shared fairly between API keys
     queue: FairQueue[asyncio.Future[None]] = field(default_factory=FairQueue)
     mean_service_s: float = 1.0
+    moved: float = 0.0  # when a request last got a slot, or came to an empty queue
 
     @property
     def idle(self) -> bool:
         return self.running == 0 and not self.queue
 
-    async def take(self, key: str = "", weight: float = 1.0) -> None:
-        """Wait for a slot, served fairly between keys by `weight`. Raises QueueFull."""
+    async def take(self, key: str = "", weight: float = 1.0, now: float = 0.0) -> None:
+        """Wait for a slot, served fairly between keys by `weight`. Raises QueueFull. `now`: the
+        request's arrival; a queue's wait counts from it when the queue was empty."""
         spec = self.spec
+        if not self.queue:
+            self.moved = now
         decision = admit_request(self.running, len(self.queue), spec.concurrency,
                                  spec.max_queue, self.mean_service_s)
         if decision.run:

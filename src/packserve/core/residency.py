@@ -26,7 +26,14 @@ from packserve.core.policy import (
 )
 from packserve.core.queue import Model
 from packserve.core.resident import Resident
-from packserve.core.status import DeviceStatus, ModelStatus, PinStatus, Readiness
+from packserve.core.status import (
+    DeviceStatus,
+    Liveness,
+    ModelStatus,
+    PinStatus,
+    Readiness,
+    Stuck,
+)
 from packserve.errors import ConfigError, ModelNotFound, PinsDoNotFit
 from packserve.types import State
 from packserve.units import format_bytes
@@ -290,6 +297,23 @@ class Residency:
                 error=retry.error if retry is not None else res.error,
                 next_retry_s=max(0.0, retry.next_at - now) if retry is not None else None))
         return Readiness(ready=not pins, pins=tuple(pins))
+
+    def liveness(self, locks: Mapping[str, tuple[str, float]], timeout_s: float) -> Liveness:
+        """What the deep probe reports (see `Liveness`), from the device locks' holders and the
+        residents' loads and queues: plain reads, nothing awaited."""
+        now = self._clock()
+        held = tuple(Stuck("lock", device, "", now - since, who)
+                     for device, (who, since) in locks.items())
+        loads = tuple(Stuck("load", r.load.device, r.label, now - r.flight.engine_since, "")
+                      for r in self.residents.values() if r.flight.engine_since is not None)
+        queues = tuple(Stuck("queue", m.resident.load.device, m.spec.name, now - m.moved,
+                             f"{len(m.queue)} waiting")
+                       for m in self.models.values() if m.queue)
+        stuck = tuple(s for s in (*held, *loads, *queues) if s.seconds > timeout_s)
+        wedged = tuple(dict.fromkeys(name for s in stuck if s.kind == "load"
+                                     for name in s.model.split("+")))
+        return Liveness(load_timeout_s=timeout_s, locks=held, loads=loads, stuck=stuck,
+                        wedged=wedged)
 
     def device_rows(self) -> list[DeviceStatus]:
         return [DeviceStatus(name=d.name, budget_bytes=d.budget_bytes,

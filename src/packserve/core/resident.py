@@ -96,6 +96,7 @@ class LoadInFlight:
     due_slo: float = math.inf  # that request's SLO
     at_risk: float = math.inf  # when that request will have waited `load_turn` of its SLO
     holding: dict[str, Turn] = field(default_factory=dict)  # while it waits: whom it drains
+    engine_since: float | None = None  # when its engine call started (LOADING), if it has
 
     def reset_deadlines(self) -> None:
         self.due = self.due_slo = self.at_risk = math.inf

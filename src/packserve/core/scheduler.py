@@ -63,11 +63,11 @@ from packserve.core.locks import LOCK_RETRY_AFTER_S, DeviceLocks
 from packserve.core.memory import MemoryProbe
 from packserve.core.pins import PinKeeper
 from packserve.core.policy import Admission, Verdict, VictimPolicy, explain_victim, policy_name
-from packserve.core.queue import Model, hold, release_holds, wait_turn
+from packserve.core.queue import hold, release_holds, wait_turn
 from packserve.core.residency import Residency
 from packserve.core.resident import Resident
 from packserve.core.retire import Retirer
-from packserve.core.status import DeviceStatus, ModelStatus, Readiness
+from packserve.core.status import DeviceStatus, Liveness, ModelStatus, Readiness
 from packserve.core.tiers import Tiers
 from packserve.errors import (
     ConfigError,
@@ -102,6 +102,7 @@ class Scheduler:
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         load_wait_s: float = 120.0,
+        load_timeout_s: float = 600.0,
         failure_cooldown_s: float = 30.0,
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
         victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
@@ -113,7 +114,7 @@ class Scheduler:
         idle: Mapping[str, IdleRule] | None = None,
     ) -> None:
         self._clock = clock
-        self._load_wait_s = load_wait_s
+        self._load_wait_s, self._load_timeout_s = load_wait_s, load_timeout_s
         self._cooldown_s = failure_cooldown_s
         self._check_files = check_files  # before every load; the server checks headers
         # A load waiting for busy models takes its turn once one of its requests has waited this
@@ -139,7 +140,8 @@ class Scheduler:
         self._idle = IdleReaper(self._residency, self._tiers, self._changed, self._locks.hold,
                                 rules=idle or {}, clock=clock)  # keep_alive, per device
         self._pins = PinKeeper(functools.partial(self._ensure_hot, ignore_cooldown=True),
-                               self._background.spawn, self._listed,
+                               self._background.spawn,
+                               lambda name: self._residency.models.get(name),  # the catalog now
                                clock=clock, sleep=sleep, retry_s=pin_retry_s)
         self._reconfiguring = asyncio.Lock()
         self._closing = False
@@ -218,7 +220,7 @@ class Scheduler:
                       key=key, entered=self._clock())
         res.arrivals.append(visit.entered)
         try:
-            await model.take(key, weight)
+            await model.take(key, weight, visit.entered)
             try:
                 await wait_turn(res, visit.entered, slo, self._load_turn)
             except BaseException:
@@ -229,7 +231,7 @@ class Scheduler:
             self._changed.fire()  # a retiring model may have become idle
             raise
         res.leases += 1
-        visit.slot = self._clock()
+        visit.slot = model.moved = self._clock()
         error: BaseException | None = None
         try:
             await self._ensure_hot(res, due=(visit.entered + slo,
@@ -343,7 +345,7 @@ class Scheduler:
         finally:
             release_holds(res, self._residency.residents)
             res.flight.reset_deadlines()
-            res.flight.task = None
+            res.flight.task = res.flight.engine_since = None
             res.flight.abandonable = False
             if res.state in (State.ADMITTING, State.LOADING):
                 res.move(res.at_rest())
@@ -403,7 +405,7 @@ class Scheduler:
                     continue
                 res.move(State.LOADING)
                 release_holds(res, self._residency.residents)
-                t_load = self._clock()
+                t_load = res.flight.engine_since = self._clock()
                 try:
                     await self._materialize(res)
                     return None
@@ -675,17 +677,15 @@ class Scheduler:
         """Ready when every pinned model is hot; else which are not, why, and the next retry."""
         return self._residency.readiness(self._pins.get)
 
+    def liveness(self) -> Liveness:
+        """The deep probe: locks held, loads running, queues not moving. Waits for nothing."""
+        return self._residency.liveness(self._locks.held(), self._load_timeout_s)
+
     def devices(self) -> list[DeviceStatus]:
         return self._residency.device_rows()
 
     def models(self) -> list[ModelStatus]:
         return self._residency.model_rows()
-
-    # ----------------------------------------------------------------- helpers
-
-    def _listed(self, name: str) -> Model | None:
-        """The catalog's model `name` now, or None (the pin keeper's view of the catalog)."""
-        return self._residency.models.get(name)
 
 
 class _Abandoned(Exception):

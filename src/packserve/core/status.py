@@ -59,3 +59,37 @@ class Readiness:
     @property
     def not_loaded(self) -> list[str]:
         return [p.model for p in self.pins]
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """Something the deep probe found running or waiting for `seconds`: a device lock held (by
+    `who`), a load in its engine (`model`), or a model's queue that has not moved."""
+
+    kind: str  # "lock", "load" or "queue"
+    device: str
+    model: str  # a load's or a queue's catalog name(s), "+"-joined for shared weights
+    seconds: float
+    detail: str  # for a lock, what holds it ("model NAME" for a load); for a queue, how many wait
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The deep probe's answer. `stuck`: whatever has run or waited past `load_timeout_s`;
+    `wedged`: the models whose load did, charged when the worker is restarted for it. A lock or a
+    load past it means the scheduler is wedged on that device (`restart`); a queue that has not
+    moved is reported (`ok` false) but may be a long generation holding every slot."""
+
+    load_timeout_s: float
+    locks: tuple[Stuck, ...]  # every lock held now, however briefly
+    loads: tuple[Stuck, ...]  # every load in its engine now
+    stuck: tuple[Stuck, ...]
+    wedged: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.stuck
+
+    @property
+    def restart(self) -> bool:
+        return any(s.kind in ("lock", "load") for s in self.stuck)

@@ -54,7 +54,7 @@ from packserve.api.stream_end import StreamEnd
 from packserve.auth import KeyRing
 from packserve.config import Config
 from packserve.errors import ConfigError
-from packserve.front.supervisor import Crash, Supervisor, Worker, WorkerAlive
+from packserve.front.supervisor import DEEP_PROBE_S, Crash, Supervisor, Worker, WorkerAlive
 from packserve.front.upstream import Upstream, UpstreamError
 from packserve.front.upstream import request as upstream_request
 
@@ -190,6 +190,23 @@ def create_front_app(front: Front) -> ASGIApp:
     async def healthz(_: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "worker": supervisor.view()})
 
+    async def healthz_deep(_: Request) -> JSONResponse:
+        """The deep probe (what alerts watch): the worker's scheduler read within a bound, and
+        the front's view of the worker. 503 when the worker does not answer or is stuck."""
+        view = supervisor.view()
+        worker = await supervisor.wait_up(0)
+        if worker is None:
+            return JSONResponse({"status": f"worker {supervisor.state.value}", "worker": view},
+                                status_code=503)
+        try:
+            async with asyncio.timeout(DEEP_PROBE_S):
+                status, text = await worker.call("GET", "/internal/liveness")
+            body = json.loads(text)
+        except (UpstreamError, TimeoutError, ValueError):
+            return JSONResponse({"status": "worker not answering", "bound_s": DEEP_PROBE_S,
+                                 "worker": view}, status_code=503)
+        return JSONResponse({**body, "worker": view}, status_code=status)
+
     async def readyz(request: Request) -> Response:
         if front.draining:
             return JSONResponse({"status": "draining"}, status_code=503,
@@ -262,6 +279,7 @@ def create_front_app(front: Front) -> ASGIApp:
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/health", healthz, methods=["GET"]),  # vLLM's, TGI's and SGLang's name
+            Route("/healthz/deep", healthz_deep, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/metrics/summary", summary, methods=["GET"]),

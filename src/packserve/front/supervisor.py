@@ -54,9 +54,12 @@ _event_log = logging.getLogger("packserve.events")
 # from this, doubling, to the cap; a worker that served longer is replaced at once.
 RESTART_BACKOFF_S = (0.5, 30.0)
 STABLE_S = 30.0
-# A worker that does not answer /healthz within PING_S, MISSES times in a row, is hung (stopped,
-# deadlocked): it is killed, and its death charged like a crash.
+# A worker that does not answer its deep probe within PING_S, MISSES times in a row, is hung
+# (stopped, its loop blocked): it is killed, and its death charged like a crash. One whose
+# scheduler says it is wedged (a load or a device lock past load_timeout_s) is killed at once,
+# charged to the models whose load hung.
 PING_S, MISSES = 5.0, 4
+DEEP_PROBE_S = 2.0  # how long /healthz/deep waits for the worker's reading
 GENERATION_TASKS = frozenset({"chat", "complete"})
 
 
@@ -119,6 +122,7 @@ class Worker:
     loading: dict[str, int] = field(default_factory=dict)
     pipe_done: asyncio.Event = field(default_factory=asyncio.Event)
     pending: str = ""  # what it said it is busy with before it can serve (first-start work)
+    wedged: tuple[str, ...] | None = None  # killed as wedged: the models whose load hung
     # kept-alive connections; closed when it dies
     pool: upstream.WorkerConnections = field(init=False)
 
@@ -332,7 +336,8 @@ class Supervisor:
             await asyncio.sleep(0.05)
 
     async def _watchdog(self, worker: Worker) -> None:
-        """Kill a worker that stops answering (SIGSTOP, a deadlock): its requests would wait for
+        """Kill a worker that stops answering (SIGSTOP, a blocked loop) or whose scheduler is
+        wedged (a load or a device lock held past load_timeout_s): its requests would wait for
         ever. Its death then goes the way of any crash."""
         await worker.up.wait()
         misses = 0
@@ -340,16 +345,27 @@ class Supervisor:
             await asyncio.sleep(self._ping_s)
             try:
                 async with asyncio.timeout(self._ping_s):
-                    status, _ = await worker.call("GET", "/healthz")
-                misses = 0 if status == 200 else misses + 1
-            except (upstream.UpstreamError, TimeoutError):
-                misses += 1
-            if misses >= self._misses and worker.proc.returncode is None:
+                    status, text = await worker.call("GET", "/internal/liveness")
+                live = json.loads(text) if status in (200, 503) else None
+                misses = 0 if isinstance(live, dict) else misses + 1
+            except (upstream.UpstreamError, TimeoutError, ValueError):
+                live, misses = None, misses + 1
+            if worker.proc.returncode is not None:
+                return
+            if isinstance(live, dict) and live.get("restart"):
+                worker.wedged = tuple(live.get("wedged", ()))
+                log.error("worker %d (pid %d) is wedged: %s; killing it", worker.generation,
+                          worker.pid, "; ".join(f"{s['kind']} {s['model'] or s['detail']} on "
+                                                f"{s['device']} for {s['seconds']:.0f}s"
+                                                for s in live.get("stuck", ())))
+            elif misses >= self._misses:
                 log.error("worker %d (pid %d) has not answered for %.0fs; killing it",
                           worker.generation, worker.pid, self._ping_s * self._misses)
-                with contextlib.suppress(ProcessLookupError):
-                    worker.proc.kill()
-                return
+            else:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.kill()
+            return
 
     async def _watch(self, worker: Worker) -> None:
         crash: Crash | None = None
@@ -400,11 +416,15 @@ class Supervisor:
         cause = _cause(rc)
         now = self._clock()
         charged: dict[str, str] = {}
-        for run in worker.running.values():
-            charged.setdefault(run.model, f"serving {run.task}")
-        for label in worker.loading:
-            for name in label.split("+"):
-                charged.setdefault(name, "loading")
+        if worker.wedged is not None:  # killed for a hung load: that alone is charged
+            cause = "hung past load_timeout_s"
+            charged = dict.fromkeys(worker.wedged, "loading")
+        else:
+            for run in worker.running.values():
+                charged.setdefault(run.model, f"serving {run.task}")
+            for label in worker.loading:
+                for name in label.split("+"):
+                    charged.setdefault(name, "loading")
         quarantined = []
         window = self.config.server.crash_window_s
         for model, doing in charged.items():

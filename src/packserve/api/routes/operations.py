@@ -38,6 +38,18 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/internal/liveness", include_in_schema=False)
+async def liveness(s: ServicesDep) -> JSONResponse:
+    """The deep probe's reading, for the front only (it serves it as `/healthz/deep` and its
+    watchdog reads it): what the scheduler is doing, read without waiting for any lock. 503
+    when a device lock, a load or a queue has been stuck past `load_timeout_s`."""
+    live = s.scheduler.liveness()
+    body = {"status": "ok" if live.ok else "stuck", "load_timeout_s": live.load_timeout_s,
+            "restart": live.restart, "wedged": list(live.wedged),
+            **{k: [asdict(x) for x in getattr(live, k)] for k in ("stuck", "locks", "loads")}}
+    return JSONResponse(body, status_code=200 if live.ok else 503)
+
+
 @router.get("/readyz")
 async def readyz(s: ServicesDep) -> JSONResponse:
     readiness = s.scheduler.ready()
