@@ -57,6 +57,7 @@ from packserve.core.events import (
     emit,
     log_event,
 )
+from packserve.core.fetch import Downloads, Fetcher
 from packserve.core.lease import Lease, Visit
 from packserve.core.loader import FootprintStore, Loader, is_memory_failure
 from packserve.core.locks import LOCK_RETRY_AFTER_S, DeviceLocks
@@ -67,7 +68,7 @@ from packserve.core.queue import Model, hold, release_holds, wait_turn
 from packserve.core.residency import Residency
 from packserve.core.resident import Resident
 from packserve.core.retire import Retirer
-from packserve.core.status import DeviceStatus, ModelStatus, Readiness
+from packserve.core.status import DeviceStatus, Download, ModelStatus, Readiness
 from packserve.core.tiers import Tiers
 from packserve.errors import (
     ConfigError,
@@ -106,6 +107,7 @@ class Scheduler:
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
         victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
         check_files: Callable[[LoadSpec], None] | None = None,
+        fetcher: Fetcher | None = None,
         sinks: Sequence[EventSink] = (log_event,),
         load_nice: int = 0,
         warm_tier: Iterable[str] = (),
@@ -115,6 +117,8 @@ class Scheduler:
         self._load_wait_s = load_wait_s
         self._cooldown_s = failure_cooldown_s
         self._check_files = check_files  # before every load; the server checks headers
+        # Before that, files not on disk yet (Hub sources) are fetched, outside the locks.
+        self._downloads = Downloads(fetcher) if fetcher is not None else None
         # A load waiting for busy models takes its turn once one of its requests has waited this
         # fraction of its SLO, and holds their new requests, each for at most this fraction of
         # its own (0: they go ahead; `acquire` without an SLO counts `load_wait_s` as one).
@@ -356,6 +360,8 @@ class Scheduler:
                             f"max_memory quota of {format_bytes(cap)}")
         t0 = self._clock()
         deadline = t0 + self._load_wait_s
+        if self._downloads is not None:
+            await self._fetch(res, self._downloads, deadline)
         if self._check_files is not None:
             try:
                 # Before any eviction: a file that cannot load must cost other models nothing.
@@ -374,6 +380,31 @@ class Scheduler:
             changed, retried = waiting
             await self._abandonable(res, functools.partial(
                 Changed.wait, changed, deadline - self._clock()))
+
+    async def _fetch(self, res: Resident, downloads: Downloads, deadline: float) -> None:
+        """Wait, holding no lock, for the download of `res`'s files if any are missing: at most
+        until `deadline`, after which the download goes on and the caller gets a 503."""
+        source = downloads.missing(res.load)
+        if source is None:
+            return
+        t0 = self._clock()
+        future = downloads.start(res.load, source)
+        try:
+            await self._abandonable(res, functools.partial(
+                asyncio.wait_for, asyncio.shield(future), max(0.0, deadline - self._clock())))
+        except TimeoutError as exc:
+            got = downloads.status(res.load)
+            done = "" if got is None or not got.total_bytes else (
+                f": {format_bytes(got.done_bytes)} of {format_bytes(got.total_bytes)}")
+            raise ModelUnavailable(
+                f"model {res.label} is still downloading {source}{done} after "
+                f"{self._load_wait_s:g}s (load_wait_s); the download goes on, try again later",
+                retry_after_s=LOCK_RETRY_AFTER_S) from exc
+        except ConfigError as exc:
+            raise self._failed(res, exc.message, self._clock() - t0) from exc
+        except Exception as exc:
+            raise self._failed(res, f"downloading {source}: {type(exc).__name__}: {exc}",
+                               self._clock() - t0) from exc
 
     async def _admit_under_lock(self, res: Resident, device: str, deadline: float,
                                 retried: bool) -> tuple[asyncio.Event, bool] | None:
@@ -670,14 +701,24 @@ class Scheduler:
         return self._residency.state_of(name)
 
     def ready(self) -> Readiness:
-        """Ready when every pinned model is hot; else which are not, why, and the next retry."""
-        return self._residency.readiness(self._pins.get)
+        """Ready when every pinned model is hot; else which are not, why, the next retry and
+        the download it waits for."""
+        readiness = self._residency.readiness(self._pins.get)
+        return dataclasses.replace(readiness, pins=tuple(
+            dataclasses.replace(p, download=self._download_of(p.model)) for p in readiness.pins))
 
     def devices(self) -> list[DeviceStatus]:
         return self._residency.device_rows()
 
     def models(self) -> list[ModelStatus]:
-        return self._residency.model_rows()
+        return [dataclasses.replace(m, download=self._download_of(m.name))
+                for m in self._residency.model_rows()]
+
+    def _download_of(self, name: str) -> Download | None:
+        model = self._residency.models.get(name)
+        if self._downloads is None or model is None:
+            return None
+        return self._downloads.status(model.resident.load)
 
     # ----------------------------------------------------------------- helpers
 
