@@ -176,6 +176,7 @@ def test_pruning_keeps_the_configs_models_and_drops_the_least_recently_used(
     assert hub.present(kept) is not None and hub.present(old) is None
 
 
+@pytest.mark.real
 @pytest.mark.timeout(300)
 def test_a_pin_waits_for_its_download(tmp_path: Path, standin: hs.Standin) -> None:
     standin.delay_s = 0.05  # per MiB: the download takes a few seconds
@@ -202,6 +203,7 @@ def test_a_pin_waits_for_its_download(tmp_path: Path, standin: hs.Standin) -> No
     assert seen[-1].total_bytes == standin.repos[hs.SMOLLM].files[GGUF].size
 
 
+@pytest.mark.real
 @pytest.mark.timeout(300)
 def test_a_first_load_downloads_with_progress_and_answers(tmp_path: Path,
                                                           standin: hs.Standin) -> None:
