@@ -51,7 +51,8 @@ def test_readme_defaults_are_the_defaults() -> None:
     """Where README's example shows a default (a key not marked as an example), it is the one
     the config applies; only the keys below are shown with a non-default example value."""
     examples = {"model_roots", "max_concurrency", "max_memory", "max_input_tokens",
-                "max_output_tokens", "slo_s", "threads", "keys_file", "dedicated"}
+                "max_output_tokens", "slo_s", "threads", "keys_file", "dedicated",
+                "hf_cache_budget"}
     cfg = _annotated_config()
     checks: list[tuple[type[BaseModel], dict[str, Any]]] = [
         (ServerConfig, {k: v for k, v in cfg["server"].items() if k != "slo"}),

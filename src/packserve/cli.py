@@ -57,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps.add_argument("--api-key", help="an admin key, when the server has keys (or "
                     "PACKSERVE_API_KEY)")
 
+    pull = sub.add_parser("pull", help="download a Hub model (an hf: source) ahead of its "
+                          "first load, with a progress bar")
+    pull.add_argument("name", help="a model of the config, or an hf: source")
+    pull.add_argument("--config", help="TOML config file (default: the built-in catalog)")
+
     pool = sub.add_parser("pool", help="serve a pool of packserve replicas on Ray Serve "
                           "(pip install packserve[pool])")
     pool.add_argument("--config", help="TOML config file with a [pool] section "
@@ -94,7 +99,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _keys(args)
     if args.command == "pool":
         return _pool(args)
+    if args.command == "pull":
+        return _pull(args)
     return _ps(args)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    """Fetch a Hub source into DATA_DIR/models/hf as a first load would, drawing its progress."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from packserve.config import load_config
+    from packserve.hub import Hub, parse
+
+    try:
+        config = load_config(args.config)
+        named = [m.source for m in config.models if m.name == args.name]
+        source = parse(named[0] if named else args.name)
+        if source is None:
+            print(f"packserve pull: {args.name} is "
+                  + (f"not a Hub model (source {named[0]!r})" if named else
+                     "neither a model of the config nor an hf: source"), file=sys.stderr)
+            return 2
+        hub = Hub(config.data_path / "models")
+        source = hub.canonical(source)
+        with Progress("[bold]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), TimeRemainingColumn()) as bar:
+            task = bar.add_task(str(source), total=None)
+            path = hub.fetch(source, lambda done, total: bar.update(task, completed=done,
+                                                                     total=total))
+    except ConfigError as exc:
+        print(f"packserve pull: {exc.message}", file=sys.stderr)
+        return 1
+    print(f"{source}: {path}")
+    return 0
 
 
 def _pool(args: argparse.Namespace) -> int:
@@ -248,6 +291,11 @@ def _ps(args: argparse.Namespace) -> int:
         state = m["state"]
         if state == "warm" and m.get("bytes_warm") is not None:
             state = f"warm ({format_bytes(m['bytes_warm'], compact=True)})"
+        download = m.get("download")
+        if download is not None:  # waiting for its weights: how far the download is
+            total = download["total_bytes"]
+            state = (f"downloading {format_bytes(download['done_bytes'], compact=True)}/"
+                     f"{format_bytes(total, compact=True)}" if total else "downloading")
         table.add_row(m["name"], ",".join(m["tasks"]), state, m["device"],
                       "yes" if m["pinned"] else "",
                       format_bytes(m["bytes_estimated"], compact=True),

@@ -83,6 +83,10 @@ class ServerConfig(_Strict):
     # A load (or a device lock) running longer is wedged: the deep probe says so and the front
     # restarts the worker, charging the model whose load hung.
     load_timeout_s: float = Field(default=600.0, gt=0)
+    # Disk for models downloaded from the Hub (`hf:` sources, in data_dir/models/hf): past it,
+    # the least recently used downloads of models no longer in the config are deleted. None:
+    # no limit.
+    hf_cache_budget: Bytes | None = None
     failure_cooldown_s: float = Field(default=30.0, ge=0)
     max_request_bytes: Bytes = 4 * 1024 * 1024
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -206,6 +210,17 @@ class ModelSpec(_Strict):
     def _name_ok(cls, v: str) -> str:
         if not _NAME_RE.match(v):
             raise ValueError("use letters, digits and . _ : / - (at most 128 characters)")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _hub_grammar(cls, v: str) -> str:
+        from packserve import hub
+
+        try:
+            hub.parse(v)
+        except ConfigError as exc:
+            raise ValueError(exc.message) from exc
         return v
 
     @field_validator("backend")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
@@ -160,8 +162,11 @@ def read_facts(path: Path) -> ModelFacts:
 def _gguf_facts(path: Path) -> ModelFacts:
     from gguf import GGUFReader  # imported here: it maps the whole file lazily
 
-    reader = GGUFReader(str(path))
+    return gguf_facts(GGUFReader(str(path)), path)
 
+
+def gguf_facts(reader: Any, path: Path) -> ModelFacts:
+    """The facts of the GGUF file `path` from its parsed header (a `gguf.GGUFReader`)."""
     def field(key: str, default: int = 0) -> int:
         f = reader.fields.get(key)
         if f is None:
@@ -214,20 +219,35 @@ def _safetensors_facts(folder: Path) -> ModelFacts:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{folder} holds no .safetensors file")
-    weight_bytes = n_params = 0
-    dtypes: dict[str, int] = {}
+    headers: list[dict[str, Any]] = []
     for file in files:
         with safe_open(str(file), framework="numpy") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                sl = st.get_slice(name)
-                count = 1
-                for dim in sl.get_shape():
-                    count *= int(dim)
-                n_params += count
-                weight_bytes += count * _DTYPE_BYTES.get(sl.get_dtype(), 4)
-                dtypes[sl.get_dtype()] = dtypes.get(sl.get_dtype(), 0) + count
+            headers.append({name: {"dtype": st.get_slice(name).get_dtype(),
+                                   "shape": st.get_slice(name).get_shape()}
+                            for name in st.keys()})  # noqa: SIM118 - safe_open is not a Mapping
     cfg_path = folder / "config.json"
     cfg: dict[str, object] = json.loads(cfg_path.read_text("utf-8")) if cfg_path.exists() else {}
+    return safetensors_facts(folder, headers, sum(f.stat().st_size for f in files), cfg)
+
+
+def safetensors_facts(folder: Path, headers: Sequence[Mapping[str, Any]], file_bytes: int,
+                      cfg: Mapping[str, object]) -> ModelFacts:
+    """The facts of a safetensors model from its files' JSON headers (tensor name -> dtype and
+    shape; `__metadata__` skipped), their bytes and its `config.json`: arithmetic only, so the
+    headers may come from local files or from ranged reads of the Hub's (packserve.hub)."""
+    weight_bytes = n_params = 0
+    dtypes: dict[str, int] = {}
+    for header in headers:
+        for name, tensor in header.items():
+            if name == "__metadata__" or not isinstance(tensor, Mapping):
+                continue
+            count = 1
+            for dim in tensor.get("shape", ()):
+                count *= int(dim)
+            dtype = str(tensor.get("dtype", ""))
+            n_params += count
+            weight_bytes += count * _DTYPE_BYTES.get(dtype, 4)
+            dtypes[dtype] = dtypes.get(dtype, 0) + count
 
     def num(key: str, default: int = 0) -> int:
         value = cfg.get(key, default)
@@ -239,7 +259,7 @@ def _safetensors_facts(folder: Path) -> ModelFacts:
         path=folder,
         format="safetensors",
         weight_bytes=weight_bytes,
-        file_bytes=sum(f.stat().st_size for f in files),
+        file_bytes=file_bytes,
         n_params=n_params,
         n_layers=num("num_hidden_layers"),
         n_kv_heads=num("num_key_value_heads", heads),

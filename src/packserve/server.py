@@ -21,9 +21,11 @@ from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
 from packserve.core.policy import VictimPolicy, make_policy
 from packserve.core.scheduler import Scheduler
 from packserve.errors import ConfigError
+from packserve.hub import Hub, HubFetcher, HubSource
+from packserve.hub import parse as parse_hub
 from packserve.modelfiles import ModelFacts, read_facts_cached
 from packserve.planner.sizing import Breakdown
-from packserve.sources import Announce, model_roots, resolve_source
+from packserve.sources import Announce, confine, model_roots, resolve_source
 
 if TYPE_CHECKING:
     from packserve.metrics.telemetry import Telemetry
@@ -67,22 +69,28 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
                         sources=[s.source for s in config.models
                                  if backends.get(s.backend).reads_files])
     facts_by_path: dict[Path, ModelFacts] = {}
+    hub = Hub(models_dir)
     for i, spec in enumerate(config.models):
         where = f"models[{i}] ({spec.name})"
         engine = backends.get(spec.backend)
         facts: ModelFacts | None = None
         if engine.reads_files:
             try:
-                path = resolve_source(spec.source, base_dir=base, models_dir=models_dir,
-                                      roots=roots, announce=announce)
-                if engine.convert is not None:
+                source = parse_hub(spec.source)
+                if source is not None:  # sized from its headers until it is on disk
+                    path, remote = _hub_source(hub, source, engine, roots, announce)
+                else:
+                    path = resolve_source(spec.source, base_dir=base, models_dir=models_dir,
+                                          roots=roots, announce=announce)
+                    remote = None
+                if engine.convert is not None and remote is None:
                     path = engine.convert(path, models_dir, announce)
-                facts = facts_by_path.get(path) or read_facts_cached(
+                facts = facts_by_path.get(path) or remote or read_facts_cached(
                     path, config.data_path / "model_facts.json")
                 facts_by_path[path] = facts
             except ConfigError as exc:
                 raise ConfigError(f"{where}.source: {exc.message}") from exc
-            problem = engine.check_source(path)
+            problem = engine.check_source(path) if path.exists() else None
             if problem is not None:
                 raise ConfigError(f"{where}.source: {engine.name} needs {problem}")
         else:
@@ -94,6 +102,39 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
                                 spec.parallel or 0, spec.parallel_cache == "per_slot")
         out.append(Resolved(spec=spec, engine=engine, load=load, facts=facts))
     return out
+
+
+def _hub_source(hub: Hub, source: HubSource, engine: Engine, roots: Sequence[Path],
+                announce: Announce) -> tuple[Path, ModelFacts | None]:
+    """The model path of a Hub source and, while it is not on disk, its facts read from the
+    Hub's headers (None once it is: the caller reads the files). An engine that converts what
+    it loads (a safetensors folder into GGUF) needs the files now: they are fetched here."""
+    source = hub.canonical(source)
+    path = hub.model_path(source)
+    confine(str(source), path.resolve(), roots)
+    if hub.present(source) is not None:
+        return path, None
+    if engine.convert is None:
+        return path, hub.remote_facts(source)
+    if announce is not None:
+        announce(f"downloading {source} into {hub.folder(source)} (engine {engine.name} "
+                 f"converts it: first start only)")
+    return hub.fetch(source), None
+
+
+def hub_fetcher(config: Config) -> HubFetcher:
+    """The scheduler's fetcher of Hub sources, pruning downloads to `hf_cache_budget` (keeping
+    the config's own sources) after each."""
+    hub = Hub(config.data_path / "models")
+    budget = config.server.hf_cache_budget
+    keep = [s for s in (parse_hub(m.source) for m in config.models) if s is not None]
+
+    def prune() -> None:
+        if budget is not None:
+            hub.prune(budget, [hub.canonical(s) for s in keep])
+
+    prune()
+    return HubFetcher(hub, after=prune)
 
 
 def build_entries(config: Config, announce: Announce = None) -> list[Entry]:
@@ -163,6 +204,7 @@ def build_scheduler(
               for b in budgets for dev in [config.device_config(b.name)]},
         sinks=sinks,
         check_files=backends.check_weights,
+        fetcher=hub_fetcher(config),
     )
     scheduler.check_pins()
     return scheduler

@@ -65,11 +65,11 @@ def resolve_source(source: str, *, base_dir: Path, models_dir: Path,
             raise ConfigError(f"source {source!r}: {path} does not exist")
         path = path.resolve()
     if roots is not None:
-        _confine(source, path, roots)
+        confine(source, path, roots)
     return path
 
 
-def _confine(source: str, path: Path, roots: Sequence[Path]) -> None:
+def confine(source: str, path: Path, roots: Sequence[Path]) -> None:
     """Raise ConfigError unless `path` (real) and every symlink under it lead inside `roots`."""
     escapes = [(path, path)]
     if path.is_dir():  # a model directory: a symlink inside may lead anywhere

@@ -47,7 +47,6 @@ from packserve.core.background import Background, Changed
 from packserve.core.catalog import DeviceBudget, Entry, ReconfigureReport, Served
 from packserve.core.events import (
     EventSink,
-    EvictEvent,
     LoadEvent,
     LoadFailedEvent,
     LoadStartEvent,
@@ -56,18 +55,20 @@ from packserve.core.events import (
     emit,
     log_event,
 )
+from packserve.core.evict import Evictions
+from packserve.core.fetch import Downloads, Fetcher
 from packserve.core.idle import IdleReaper, IdleRule
 from packserve.core.lease import Lease, Visit
 from packserve.core.loader import FootprintStore, Loader, is_memory_failure
 from packserve.core.locks import LOCK_RETRY_AFTER_S, DeviceLocks
 from packserve.core.memory import MemoryProbe
 from packserve.core.pins import PinKeeper
-from packserve.core.policy import Admission, Verdict, VictimPolicy, explain_victim, policy_name
+from packserve.core.policy import Admission, Verdict, VictimPolicy
 from packserve.core.queue import hold, release_holds, wait_turn
 from packserve.core.residency import Residency
 from packserve.core.resident import Resident
 from packserve.core.retire import Retirer
-from packserve.core.status import DeviceStatus, Liveness, ModelStatus, Readiness
+from packserve.core.status import DeviceStatus, Download, Liveness, ModelStatus, Readiness
 from packserve.core.tiers import Tiers
 from packserve.errors import (
     ConfigError,
@@ -107,6 +108,7 @@ class Scheduler:
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
         victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
         check_files: Callable[[LoadSpec], None] | None = None,
+        fetcher: Fetcher | None = None,
         sinks: Sequence[EventSink] = (log_event,),
         load_nice: int = 0,
         warm_tier: Iterable[str] = (),
@@ -117,6 +119,8 @@ class Scheduler:
         self._load_wait_s, self._load_timeout_s = load_wait_s, load_timeout_s
         self._cooldown_s = failure_cooldown_s
         self._check_files = check_files  # before every load; the server checks headers
+        # Before that, files not on disk yet (Hub sources) are fetched, outside the locks.
+        self._downloads = Downloads(fetcher) if fetcher is not None else None
         # A load waiting for busy models takes its turn once one of its requests has waited this
         # fraction of its SLO, and holds their new requests, each for at most this fraction of
         # its own (0: they go ahead; `acquire` without an SLO counts `load_wait_s` as one).
@@ -135,6 +139,7 @@ class Scheduler:
         self._changed = Changed()  # memory changed, or a model went idle
         self._tiers = Tiers(self._loader, clock=clock, emit=self._emit,
                             changed=self._changed.fire)
+        self._evictions = Evictions(self._residency, self._tiers, self._emit)
         self._background = Background()  # pin retries, retirements
         self._retirer = Retirer(self._residency, self._tiers, self._changed, self._locks.hold)
         self._idle = IdleReaper(self._residency, self._tiers, self._changed, self._locks.hold,
@@ -359,6 +364,8 @@ class Scheduler:
                             f"max_memory quota of {format_bytes(cap)}")
         t0 = self._clock()
         deadline = t0 + self._load_wait_s
+        if self._downloads is not None:
+            await self._fetch(res, self._downloads, deadline)
         if self._check_files is not None:
             try:
                 # Before any eviction: a file that cannot load must cost other models nothing.
@@ -377,6 +384,23 @@ class Scheduler:
             changed, retried = waiting
             await self._abandonable(res, functools.partial(
                 Changed.wait, changed, deadline - self._clock()))
+
+    async def _fetch(self, res: Resident, downloads: Downloads, deadline: float) -> None:
+        """Wait, holding no lock, for the download of `res`'s files if any are missing: at most
+        until `deadline`, after which the download goes on and the caller gets a 503."""
+        if (source := downloads.missing(res.load)) is None:
+            return
+        t0 = self._clock()
+        try:
+            await downloads.wait(res.load, source, res.label, deadline - t0,
+                                 functools.partial(self._abandonable, res))
+        except ConfigError as exc:
+            raise self._failed(res, exc.message, self._clock() - t0) from exc
+        except (ModelUnavailable, _Abandoned):
+            raise  # still downloading, or nobody waits any more: nothing failed
+        except Exception as exc:
+            raise self._failed(res, f"downloading {source}: {type(exc).__name__}: {exc}",
+                               self._clock() - t0) from exc
 
     async def _admit_under_lock(self, res: Resident, device: str, deadline: float,
                                 retried: bool) -> tuple[asyncio.Event, bool] | None:
@@ -399,7 +423,7 @@ class Scheduler:
                 if admission.victims:
                     # One at a time, then plan again: a request may lease the next victim
                     # while this one unloads.
-                    await self._evict(self._residency.residents[admission.victims[0]],
+                    await self._evictions.evict(self._residency.residents[admission.victims[0]],
                                       f"make room for {res.label}", cause="make_room",
                                       cold=admission.to_cold)
                     continue
@@ -430,7 +454,7 @@ class Scheduler:
                         self._check_wanted(res)
                         victim = self._residency.residents.get(key)
                         if victim is not None and self._residency.view(victim).evictable:
-                            await self._evict(victim, f"free memory to retry {res.label}",
+                            await self._evictions.evict(victim, f"free memory to retry {res.label}",
                                               cause="memory_retry", cold=True)
 
     def _failed(self, res: Resident, reason: str, seconds: float, *,
@@ -481,29 +505,11 @@ class Scheduler:
         res.publish(backend, self._clock())
         self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
                              bytes_measured=measured, seconds=seconds, reason="first use"))
-        await self._shed(device, f"{res.label} measured more than its estimate",
+        await self._evictions.shed(device, f"{res.label} measured more than its estimate",
                          cause="overshoot", keep=res)
         self._changed.fire()
 
     # ----------------------------------------------------------------- unloading
-
-    async def _evict(self, res: Resident, reason: str, *, cause: str,
-                     cold: bool = False) -> None:
-        """The victim policy's choice leaves its tier: hot to warm where its device has a warm
-        tier and its engine a warm state (unless `cold`: warm copies would leave too little
-        room), else to cold; warm to cold. Must hold the lock."""
-        policy = self._residency.policy(res.load.device)  # it chose: the event says why
-        if res.state is State.ADMITTING:  # its load waits for memory: only its copy goes
-            why = explain_victim(policy, view := self._residency.view(res))
-            await self._tiers.drop_warm(res)
-            self._emit(EvictEvent(model=res.label, device=res.load.device, bytes=view.frees,
-                                  seconds=0.0, reason=reason, cause=cause,
-                                  policy=policy_name(policy), why=why, tier_to="cold"))
-            return
-        warm = not cold and res.state is State.HOT and self._residency.goes_warm(res)
-        why = explain_victim(policy, dataclasses.replace(self._residency.view(res), goes_warm=warm))
-        await self._tiers.evict_to(res, State.WARM if warm else State.COLD, reason, cause=cause,
-                                   policy=policy_name(policy), why=why)
 
     # ----------------------------------------------------------------- waiting
 
@@ -639,27 +645,7 @@ class Scheduler:
     async def _fit_budget(self, device: str) -> None:
         """Evict idle models of `device`, in the victim policy's order, until it fits."""
         async with self._device_lock(device, f"fitting {device} to its new budget"):
-            await self._shed(device, f"{device}'s budget shrank", cause="budget_shrank")
-
-    async def _shed(self, device: str, reason: str, *, cause: str,
-                    keep: Resident | None = None) -> None:
-        """Evict idle models of `device` other than `keep`, in the victim policy's order,
-        until what it holds fits its budget again. Must hold the device lock.
-
-        Two things push a device over: a budget made smaller, and a load that measured more
-        than its estimate (the estimate is a median of past loads; the machine, the engine's
-        buffers or the heap can differ this time). Busy models stay; the excess is logged.
-        """
-        while True:
-            over, victim = self._residency.over_budget(device, keep)
-            if over <= 0:
-                return
-            if victim is None:
-                log.warning("%s holds %s more than its budget of %s until busy models finish "
-                            "(%s)", device, format_bytes(over),
-                            format_bytes(self._residency.devices[device].capacity_bytes), reason)
-                return
-            await self._evict(victim, reason, cause=cause)
+            await self._evictions.shed(device, f"{device}'s budget shrank", cause="budget_shrank")
 
     # ----------------------------------------------------------------- views
 
@@ -674,8 +660,11 @@ class Scheduler:
         return self._residency.state_of(name)
 
     def ready(self) -> Readiness:
-        """Ready when every pinned model is hot; else which are not, why, and the next retry."""
-        return self._residency.readiness(self._pins.get)
+        """Ready when every pinned model is hot; else which are not, why, the next retry and
+        the download it waits for."""
+        readiness = self._residency.readiness(self._pins.get)
+        return dataclasses.replace(readiness, pins=tuple(
+            dataclasses.replace(p, download=self._download_of(p.model)) for p in readiness.pins))
 
     def liveness(self) -> Liveness:
         """The deep probe: locks held, loads running, queues not moving. Waits for nothing."""
@@ -685,7 +674,14 @@ class Scheduler:
         return self._residency.device_rows()
 
     def models(self) -> list[ModelStatus]:
-        return self._residency.model_rows()
+        return [dataclasses.replace(m, download=self._download_of(m.name))
+                for m in self._residency.model_rows()]
+
+    def _download_of(self, name: str) -> Download | None:
+        model = self._residency.models.get(name)
+        if self._downloads is None or model is None:
+            return None
+        return self._downloads.status(model.resident.load)
 
 
 class _Abandoned(Exception):

@@ -9,6 +9,15 @@ from packserve.types import State, Task
 
 
 @dataclass(frozen=True)
+class Download:
+    """Weights being fetched for a model (packserve.core.fetch): its source, bytes done of all."""
+
+    source: str
+    done_bytes: int
+    total_bytes: int  # 0 until the source has been listed
+
+
+@dataclass(frozen=True)
 class ModelStatus:
     """One row of the residency view."""
 
@@ -27,6 +36,7 @@ class ModelStatus:
     shares_weights_with: tuple[str, ...]
     bytes_warm: int | None = None  # what it holds while warm (engine objects, no weights)
     restore_seconds: float | None = None  # the last restore from warm
+    download: Download | None = None  # its weights are being fetched (state: admitting)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,7 @@ class PinStatus:
     state: State
     error: str | None  # why its last load failed; None while it loads for the first time
     next_retry_s: float | None  # seconds until the scheduler tries again; None: no retry planned
+    download: Download | None = None  # its weights are being fetched
 
 
 @dataclass(frozen=True)
