@@ -11,7 +11,7 @@ import pytest
 from packserve.config import DeviceConfig
 from packserve.core.events import EvictEvent
 from packserve.core.idle import IdleRule, due
-from packserve.types import State
+from packserve.types import State, Task
 from tests.factories import MIB, TIMEOUT, drain, entry, harness, hold, use
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(4 * TIMEOUT)]
@@ -131,4 +131,24 @@ async def test_weights_shared_by_two_names_stay_as_long_as_the_more_patient_asks
     event = await h.events.wait_for(lambda e: isinstance(e, EvictEvent))
     assert isinstance(event, EvictEvent)
     assert event.model == "short+long" and "(keep_alive 0.05s)" in event.reason
+    await s.close()
+
+
+async def test_a_requests_keep_alive_sets_the_models_until_the_next_request() -> None:
+    """Ollama's per-request keep_alive: the last request's wins; one without it goes back to
+    the configured keep-alive (here never)."""
+    h = harness([entry("a")], budget_mib=1024, real_clock=True)
+    s = h.scheduler
+    await s.start()
+    async with s.acquire("a", Task.EMBED, keep_alive=INF):
+        pass
+    async with s.acquire("a", Task.EMBED, keep_alive=0.0):  # let go as soon as it is idle
+        pass
+    event = await h.events.wait_for(lambda e: isinstance(e, EvictEvent))
+    assert isinstance(event, EvictEvent) and event.cause == "idle"
+    assert "(keep_alive 0s)" in event.reason
+    async with s.acquire("a", Task.EMBED):  # back to the config's: never
+        pass
+    await drain()
+    assert h.state("a") is State.HOT and len(h.events.of(EvictEvent)) == 1
     await s.close()

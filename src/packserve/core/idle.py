@@ -65,8 +65,8 @@ class IdleReaper:
         """The longest keep-alive of the models that use `res` (a model's own, else its
         device's): weights shared by two names stay as long as the more patient one asks."""
         default = self._rules.get(res.load.device, IdleRule()).keep_alive_s
-        return max((ka if (ka := self._residency.models[n].spec.keep_alive) is not None
-                    else default for n in res.models), default=default)
+        return max((_first(m.keep_alive, m.spec.keep_alive, default)
+                    for m in (self._residency.models[n] for n in res.models)), default=default)
 
     def due(self, res: Resident) -> float:
         """When `res` lets go for being idle now, or `math.inf`."""
@@ -107,3 +107,8 @@ class IdleReaper:
                     f"(keep_alive {format_duration(self.keep_alive_s(res))})", cause="idle")
         except ModelUnavailable as exc:
             log.warning("%s; trying again when the device is free", exc.message)
+
+
+def _first(*values: float | None) -> float:
+    """The first of `values` that is set (the last of them always is)."""
+    return next(v for v in values if v is not None)

@@ -44,6 +44,9 @@ class Model:
     queue: FairQueue[asyncio.Future[None]] = field(default_factory=FairQueue)
     mean_service_s: float = 1.0
     moved: float = 0.0  # when a request last got a slot, or came to an empty queue
+    # The keep-alive its last request asked for (Ollama's per-request keep_alive); None: the
+    # configured one. Each request sets it, as in Ollama: one without it goes back to the config.
+    keep_alive: float | None = None
 
     @property
     def idle(self) -> bool:

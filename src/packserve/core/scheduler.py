@@ -202,13 +202,13 @@ class Scheduler:
 
     @contextlib.asynccontextmanager
     async def acquire(self, name: str, task: Task, *, request_id: str = "",
-                      key: str = "", weight: float = 1.0,
-                      slo_s: float | None = None) -> AsyncIterator[Lease]:
+                      key: str = "", weight: float = 1.0, slo_s: float | None = None,
+                      keep_alive: float | None = None) -> AsyncIterator[Lease]:
         """Lend `name` for one request: quota slot, then load if needed. Raises PackserveError.
         `request_id` and `key` (the caller's API key name) travel in the request's events;
         requests waiting for a slot are served fairly between keys, by `weight`. A request for
         a model that a waiting load must evict waits behind that load, at most `load_turn` of
-        its `slo_s`.
+        its `slo_s`. `keep_alive`: its idle seconds after this request (Ollama's; None: config).
 
         A caller cancelled while it waits or holds the lease (its client went away) is counted
         with status 499, outcome "client_closed"; the load it may have started goes on if the
@@ -219,7 +219,7 @@ class Scheduler:
             raise TaskNotSupported(
                 f"model {name!r} does not do {task.value}; it does "
                 f"{', '.join(t.value for t in model.spec.tasks)}", param="model")
-        res = model.resident
+        res, model.keep_alive = model.resident, keep_alive
         slo = self._load_wait_s if slo_s is None else slo_s  # without one, load_wait_s
         visit = Visit(model=name, task=task, device=res.load.device, request_id=request_id,
                       key=key, entered=self._clock())
