@@ -76,14 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_cli.add_arguments(sub.add_parser("plan", help="size memory, GPUs and cost"))
     audit.add_arguments(sub.add_parser("audit", help="who holds memory, duplicates, what fits"))
 
-    from packserve import bench
-
-    bench.add_arguments(sub.add_parser("bench", help="measure packing, overhead, cold starts, "
-                                       "a mixed trace, peers, and reliability"))
-
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        return bench.run_bench(args, list(argv) if argv is not None else None)
     if args.command == "plan":
         return plan_cli.run_plan(args)
     if args.command == "audit":

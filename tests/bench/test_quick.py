@@ -1,4 +1,4 @@
-"""`packserve bench SCENARIO --quick` for each scenario: results are produced and well-formed.
+"""`python -m benchmarks SCENARIO --quick` for each scenario: results are produced and well-formed.
 
 These check the tooling, never the figures: benchmarks report, they are not timed tests.
 """
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from packserve.bench.soak import KINDS, budget_for, pooled_slope
-from packserve.bench.trace import make_trace
-from packserve.cli import main
+from benchmarks import main
+from benchmarks.soak import KINDS, budget_for, pooled_slope
+from benchmarks.trace import make_trace
 
 pytestmark = pytest.mark.real
 
@@ -24,7 +24,7 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
                                               models_dir: Path) -> None:
     out = tmp_path / "out"
     docs = tmp_path / "benchmarks.md"
-    rc = main(["bench", scenario, "--quick", "--no-progress", "--out", str(out),
+    rc = main([scenario, "--quick", "--no-progress", "--out", str(out),
                "--docs", str(docs), "--data-dir", str(models_dir)])
     assert rc == 0
     data = json.loads((out / f"{scenario}.json").read_text("utf-8"))
@@ -90,7 +90,7 @@ def _cv(xs: list[float]) -> float:
 def test_quick_soak_answers_every_request_it_accepts_without_a_500(tmp_path: Path,
                                                                     models_dir: Path) -> None:
     out, docs = tmp_path / "out", tmp_path / "benchmarks.md"
-    rc = main(["bench", "soak", "--quick", "--no-progress", "--out", str(out),
+    rc = main(["soak", "--quick", "--no-progress", "--out", str(out),
                "--docs", str(docs), "--data-dir", str(models_dir)])
     assert rc == 0
     data = json.loads((out / "soak.json").read_text("utf-8"))

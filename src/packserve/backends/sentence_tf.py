@@ -151,7 +151,7 @@ class _TorchBackend(Backend):
         # One tokenizer per load, shared by every name that uses it (an embedder and a
         # reranker), and it keeps its padding setting as shared state: a call that tokenizes
         # without padding while another thread encodes with it makes that batch fail
-        # (huggingface/transformers#47085; `packserve bench soak` found it as rerank 500s).
+        # (huggingface/transformers#47085; `python -m benchmarks soak` found it as rerank 500s).
         # Whatever tokenizes is serialised under this lock (on a GPU, and for a cross-encoder,
         # the whole call); a bi-encoder on a CPU then runs the forward passes of several calls
         # at once (`_encode`).

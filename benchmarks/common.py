@@ -1,4 +1,4 @@
-"""Shared tooling of `packserve bench`: servers as subprocesses, RSS, configs, goals, output.
+"""Shared tooling of the benchmarks: servers as subprocesses, RSS, configs, goals, output.
 
 Every figure a scenario reports is a ratio of two things measured side by side in one run:
 absolute times on a shared machine move by ±20% between runs. Nothing here asserts a timing.
@@ -29,6 +29,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 console = Console(stderr=True)
 
 MIB = 1 << 20
+# The checkout the benchmarks are imported from (they are not installed with packserve).
+CHECKOUT = Path(__file__).resolve().parent.parent
 
 # Distinct weights of the default catalog, one catalog name each, in catalog order.
 EMBED_MODEL = "all-minilm-l6-v2"
@@ -124,6 +126,14 @@ def write_results(report: Report, opts: Options, command: str) -> Path:
 # ----------------------------------------------------------------------- configs and servers
 
 
+def checkout_env() -> dict[str, str]:
+    """This process's environment with the checkout first on PYTHONPATH: what a child that
+    runs one of the benchmarks' own modules (`python -m benchmarks.policy_server`) needs,
+    whatever its working directory."""
+    paths = [str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,12 +185,14 @@ class Server:
 
 @contextlib.contextmanager
 def run_server(argv: Sequence[str], *, health: str = "/healthz", wait_s: float = 300.0,
-               log: Path | None = None) -> Iterator[Server]:
-    """Start `argv` (which must take `--port PORT` last-free) on a free port; stop it on exit."""
+               log: Path | None = None, env: Mapping[str, str] | None = None
+               ) -> Iterator[Server]:
+    """Start `argv` (which must take `--port PORT` last-free) on a free port, in `env` (default
+    this process's); stop it on exit."""
     port = free_port()
     cmd = [*argv, "--port", str(port)]
     sink = log.open("ab") if log is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=sink, stderr=sink)
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=sink, env=env)
     server = Server(url=f"http://127.0.0.1:{port}", proc=proc)
     try:
         deadline = time.monotonic() + wait_s

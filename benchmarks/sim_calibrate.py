@@ -1,5 +1,5 @@
-"""`packserve bench sim --calibrate`: the CPU box's figures, measured through the real server
-(`packserve.bench.policy_server`, with a budget that holds every model): loads, unloads and the
+"""`python -m benchmarks sim --calibrate`: the CPU box's figures, measured through the real server
+(`benchmarks.policy_server`, with a budget that holds every model): loads, unloads and the
 stall before a GGUF load, each request type alone at the trace's sizes, the warm-up of a first
 request, and an embedding beside a generation. `bench.sim` saves what it returns and
 `bench.sim_catalog.cpu_box` reads it.
@@ -22,20 +22,21 @@ from typing import Any
 import httpx
 import numpy as np
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CATALOG,
     CHAT_MODEL,
     COMPLETE_MODEL,
     EMBED_MODEL,
     TASK_OF,
     Options,
+    checkout_env,
     machine,
     progress,
     request_body,
     run_server,
     write_config,
 )
-from packserve.bench.trace import MAX_TOKENS, PROMPT_WORDS
+from benchmarks.trace import MAX_TOKENS, PROMPT_WORDS
 
 REPEATS = 3  # loads and unloads per set of weights; samples per request size
 CONTENTION_ROUNDS = 2
@@ -47,7 +48,7 @@ def calibrate(opts: Options) -> dict[str, Any]:
     work = opts.out / "work"
     config = write_config(work / "sim-calibrate.toml", opts, memory_budget="3GiB",
                           headroom="16MiB")
-    argv = [sys.executable, "-m", "packserve.bench.policy_server", "--config", str(config),
+    argv = [sys.executable, "-m", "benchmarks.policy_server", "--config", str(config),
             "--policy", "lru_by_bytes"]
     words = [w for w, _ in PROMPT_WORDS]
     tokens = [t for t, _ in MAX_TOKENS]
@@ -59,8 +60,8 @@ def calibrate(opts: Options) -> dict[str, Any]:
     weights: dict[str, Any] = {}
     service: dict[str, Any] = {}
     samples: list[dict[str, Any]] = []
-    with run_server(argv, log=work / "sim-calibrate.log") as server, server.client() as c, \
-            progress(opts, "sim calibrate", steps) as advance:
+    with run_server(argv, log=work / "sim-calibrate.log", env=checkout_env()) as server, \
+            server.client() as c, progress(opts, "sim calibrate", steps) as advance:
         for key in keys:
             loads, unloads, extra = [], [], []
             for _ in range(REPEATS):

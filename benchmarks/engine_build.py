@@ -1,15 +1,15 @@
 """Tokens/s of one llama.cpp build against another: the portable build that scripts/setup.sh
 makes (AVX2/FMA/F16C/BMI2, no AVX-512, no AMX) against a native one (GGML_NATIVE).
 
-Driven by scripts/bench-llama-build.sh, which builds both wheels, installs each in its own
+Driven by benchmarks/engine_build.sh, which builds both wheels, installs each in its own
 virtual environment and runs `measure` under each, alternately, then `report`. A standalone
 script: it imports llama_cpp and the standard library only, not packserve (the native
 environment holds llama-cpp-python alone), so run it by path:
 
-    VENV/bin/python src/packserve/bench/engine_build.py measure --label native \\
+    VENV/bin/python benchmarks/engine_build.py measure --label native \\
         --model smollm2=PATH.gguf [--model gemma=PATH.gguf] >> runs.jsonl
-    python src/packserve/bench/engine_build.py report runs.jsonl \\
-        --out bench/results/engine-build.json
+    python benchmarks/engine_build.py report runs.jsonl \\
+        --out benchmarks/results/engine-build.json
 
 `measure` prints one JSON line: per model, prompt processing (one batch of `--prompt-tokens`
 tokens, wall clock of the decode) and generation (`--gen-tokens` tokens after that prompt, one
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--native", default="native", help="label of the native build")
     r.add_argument("--portable-flags", default="", help="its CMAKE_ARGS, for the record")
     r.add_argument("--native-flags", default="", help="its CMAKE_ARGS, for the record")
-    r.add_argument("--command", default="scripts/bench-llama-build.sh")
+    r.add_argument("--command", default="benchmarks/engine_build.sh")
     args = parser.parse_args(argv)
     return cmd_measure(args) if args.cmd == "measure" else cmd_report(args)
 

@@ -1,5 +1,5 @@
-"""The "direct" side of `packserve bench overhead`: the same models, called in-process, in a
-separate process from the server. Run as `python -m packserve.bench.direct`; it reads one JSON
+"""The "direct" side of `python -m benchmarks overhead`: the same models, called in-process, in a
+separate process from the server. Run as `python -m benchmarks.direct`; it reads one JSON
 command per line on stdin and writes one JSON answer per line on stdout.
 
 Commands:

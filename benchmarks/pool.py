@@ -1,4 +1,4 @@
-"""`packserve bench pool`: routers of a `packserve pool`, side by side, and the entry point's
+"""`python -m benchmarks pool`: routers of a `packserve pool`, side by side, and the entry point's
 cost.
 
 Routing. One mixed trace at a time is replayed on a pool of N replicas (one per node of a local
@@ -55,7 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from packserve.bench.common import (
+from benchmarks.common import (
     EMBED_MODEL,
     MIB,
     Goal,
@@ -71,7 +71,7 @@ from packserve.bench.common import (
     run_server,
     sentences,
 )
-from packserve.bench.trace import TraceRequest, make_trace
+from benchmarks.trace import TraceRequest, make_trace
 
 SCALE = 0.5  # sizes and load times of the catalog below, one factor for both
 LOAD_MIB_PER_S = 500.0  # Gemma-3-270M's 400 MiB GGUF loads in 0.8 s on this machine

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from packserve.bench.common import descendants
+from benchmarks.common import descendants
 
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
 CTX = 2048  # the catalog's context_length for the llama models

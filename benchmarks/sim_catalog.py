@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CHAT_MODEL,
     COMPLETE_MODEL,
     EMBED_MODEL,
@@ -22,8 +22,8 @@ from packserve.bench.common import (
     RERANK_MODEL,
     TASK_OF,
 )
-from packserve.bench.simulator import LOAD, Box, ServiceModel, SimModel, Weights
-from packserve.bench.trace import POPULARITY, TraceRequest, make_trace
+from benchmarks.simulator import LOAD, Box, ServiceModel, SimModel, Weights
+from benchmarks.trace import POPULARITY, TraceRequest, make_trace
 
 GIB = 1 << 30
 GB = 10**9
@@ -41,7 +41,7 @@ CPU_CORES = 2.0
 CPU_MAX_BATCH = 64  # the embedder's max_batch (config default): queued embeddings merge
 CPU_MERGE_MARGINAL = 0.3  # assumed: each merged embedding adds 30% of its own time
 
-# Measured with `packserve bench sim --calibrate` (its `calibrate`) on the 2-core AMD EPYC of
+# Measured with `python -m benchmarks sim --calibrate` (its `calibrate`) on the 2-core AMD EPYC of
 # this project, 2026-12-02, three times on a quiet machine (nothing else running) with the
 # server code of commit 119abae; each figure is the median of the three runs. `bench sim
 # --quick` uses these when its output folder has no calibration.

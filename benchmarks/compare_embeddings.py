@@ -7,7 +7,7 @@ for its turn) and the rounds alternate direct, then each server in turn; the rat
 medians over rounds.
 docs/benchmarks.md quotes it.
 
-    .venv/bin/python scripts/compare_embeddings.py de209d0 235e851 --rounds 6
+    .venv/bin/python -m benchmarks.compare_embeddings de209d0 235e851 --rounds 6
 """
 
 import argparse
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from packserve.bench.common import (
+from benchmarks.common import (
     EMBED_MODEL,
     Options,
     model_path,
@@ -32,7 +32,7 @@ from packserve.bench.common import (
     sentences,
     write_config,
 )
-from packserve.bench.overhead import Direct, api_embed_batches, singles
+from benchmarks.overhead import Direct, api_embed_batches, singles
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
-"""`packserve bench overhead`: packserve's HTTP API against the same models called directly.
+"""`python -m benchmarks overhead`: packserve's HTTP API against the same models called directly.
 
-The direct side runs in its own process (`packserve.bench.direct`), so both sides pay for their
+The direct side runs in its own process (`benchmarks.direct`), so both sides pay for their
 own interpreter and neither steals the other's GIL. Rounds alternate packserve and direct (ABAB)
 in one run; the figures are medians over rounds and the goals are ratios of those medians.
 """
@@ -18,12 +18,13 @@ from typing import Any
 
 import httpx
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CHAT_MODEL,
     EMBED_MODEL,
     Goal,
     Options,
     Report,
+    checkout_env,
     median,
     model_path,
     packserve_argv,
@@ -33,7 +34,7 @@ from packserve.bench.common import (
     sentences,
     write_config,
 )
-from packserve.bench.cpu import CpuSnapshot, profiled, top_frames, worker_pid
+from benchmarks.cpu import CpuSnapshot, profiled, top_frames, worker_pid
 
 CHAT_SLOTS = 4  # parallel slots of the chat model in this bench (the four streams)
 N_CTX = 2048  # the catalog's context_length for SmolLM2
@@ -43,9 +44,9 @@ class Direct:
     """The direct-call worker process."""
 
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "packserve.bench.direct"],
+        self._proc = subprocess.Popen([sys.executable, "-m", "benchmarks.direct"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True)
+                                      stderr=subprocess.DEVNULL, text=True, env=checkout_env())
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert self._proc.stdin is not None and self._proc.stdout is not None

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-from packserve.bench.common import Report, machine, machine_line
+from benchmarks.common import Report, machine, machine_line
 
 
 def append_markdown(path: Path, report: Report, command: str) -> None:

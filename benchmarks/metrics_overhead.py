@@ -5,7 +5,7 @@ Measures, in one run on this machine:
      counter), timed over many synthetic requests in-process;
   2. the mean latency of single-sentence embedding requests to a real packserve server
      (all-minilm-l6-v2, sequential, over HTTP), started as a subprocess;
-and prints the ratio. Run: .venv/bin/python bench/metrics_overhead.py [--requests 200]
+and prints the ratio. Run: .venv/bin/python -m benchmarks.metrics_overhead [--requests 200]
 """
 
 from __future__ import annotations

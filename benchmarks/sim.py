@@ -1,4 +1,4 @@
-"""`packserve bench sim`: the scheduler's victim policies compared over hours of simulated
+"""`python -m benchmarks sim`: the scheduler's victim policies compared over hours of simulated
 trace (`bench.simulator`), on the default catalog of this machine and on a 24 GiB GPU box.
 
 Policies: packserve's cost-aware rule (`CostAware`), LRU by bytes (packserve's rule before
@@ -20,7 +20,7 @@ trace's sizes alone. The calibration is saved (OUT/sim-calibration.json, and in 
 and reused by later runs into the same folder; without one, a run uses the built-in figures
 (the median of three such calibrations).
 
-`--validate TRACE_JSON` replays a real `packserve bench trace` run in the simulator (the same
+`--validate TRACE_JSON` replays a real `python -m benchmarks trace` run in the simulator (the same
 trace from its parameters, its measured footprints and budget, its policies) and prints
 simulated and real SLO attainment per type and loads side by side.
 """
@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from packserve.bench.common import (
+from benchmarks.baselines import lru_by_count, shortest_keep_alive_first
+from benchmarks.common import (
     MIB,
     Goal,
     Options,
@@ -44,8 +45,8 @@ from packserve.bench.common import (
     console,
     progress,
 )
-from packserve.bench.sim_calibrate import calibrate
-from packserve.bench.sim_catalog import (
+from benchmarks.sim_calibrate import calibrate
+from benchmarks.sim_catalog import (
     BUILTIN_CALIBRATION,
     GIB,
     TRACES,
@@ -55,7 +56,7 @@ from packserve.bench.sim_catalog import (
     gpu_popularity,
     sim_trace,
 )
-from packserve.bench.simulator import (
+from benchmarks.simulator import (
     Belady,
     Box,
     SimClock,
@@ -64,14 +65,8 @@ from packserve.bench.simulator import (
     future_arrivals,
     simulate,
 )
-from packserve.bench.trace import TraceRequest, make_trace
-from packserve.core.policy import (
-    CostAware,
-    VictimPolicy,
-    lru_by_bytes,
-    lru_by_count,
-    shortest_keep_alive_first,
-)
+from benchmarks.trace import TraceRequest, make_trace
+from packserve.core.policy import CostAware, VictimPolicy, lru_by_bytes
 
 TASKS = ("embed", "rerank", "chat", "complete")
 DEFAULT_SLO = "embed=0.5,rerank=0.5,chat=4,complete=4"
@@ -457,7 +452,7 @@ def _policy_from_spec(spec: str) -> PolicyMaker | None:
     """The victim policy a real run's spec names (`policy_server`'s syntax, or `cost`)."""
     if spec.startswith("cost"):
         return lambda _: CostAware()
-    from packserve.bench.policy_server import parse_policy
+    from benchmarks.policy_server import parse_policy
 
     try:
         policy = parse_policy(spec)
@@ -536,7 +531,7 @@ def _warm_tier_of(real: Mapping[str, Any]) -> bool:
 
 
 # The first committed `bench trace` run whose server gave a waiting load its turn
-# (bench/results/trace-turns); runs since record their `load_turn`.
+# (benchmarks/results/trace-turns); runs since record their `load_turn`.
 TURNS_FROM = "2026-12-01T23:00:00+00:00"
 
 
@@ -605,7 +600,7 @@ def _calibration(opts: Options, report: Report) -> dict[str, Any]:
 
 
 def print_validation(validation: Mapping[str, Any]) -> None:
-    from packserve.bench.report import markdown_table
+    from benchmarks.report import markdown_table
 
     table = validation["table"]
     console.print("\n".join(markdown_table(table["columns"], table["rows"])))

@@ -1,4 +1,4 @@
-"""`packserve bench packing`: the default mix in one packserve server, against two baselines,
+"""`python -m benchmarks packing`: the default mix in one packserve server, against two baselines,
 all running at the same time, every model loaded by one request:
 
 - one packserve server per catalog entry (`packserve serve --models NAME`);
@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CATALOG,
     EMBED_MODEL,
     MIB,
@@ -40,8 +40,8 @@ from packserve.bench.common import (
     run_server,
     write_config,
 )
-from packserve.bench.overhead import N_CTX  # the catalog's context, for bare GGUF loads too
-from packserve.bench.reliability import descendants, process_memory
+from benchmarks.overhead import N_CTX  # the catalog's context, for bare GGUF loads too
+from benchmarks.reliability import descendants, process_memory
 
 BARE_ENGINE = """
 import os, sys

@@ -1,5 +1,6 @@
-"""`packserve bench reliability`: what the split into a front process and a worker process costs,
-and what it buys, measured side by side on one real server (`packserve serve`) in one run.
+"""`python -m benchmarks reliability`: what the split into a front process and a worker
+process costs, and what it buys, measured side by side on one real server (`packserve serve`)
+in one run.
 
 1. Memory: PSS (proportional set size, the sum of `Pss` in /proc/PID/smaps_rollup) of the front
    and of the worker, idle and with every model loaded by one request, while both run. The
@@ -45,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CATALOG,
     CHAT_MODEL,
     EMBED_MODEL,
@@ -63,7 +64,7 @@ from packserve.bench.common import (
     sentences,
     write_config,
 )
-from packserve.bench.cpu import cpu_seconds
+from benchmarks.cpu import cpu_seconds
 
 CHAT = "/v1/chat/completions"
 EMBED = "/v1/embeddings"

@@ -1,6 +1,6 @@
-"""`packserve serve` with another victim policy, for `packserve bench trace` only.
+"""`packserve serve` with another victim policy, for `python -m benchmarks trace` only.
 
-Run as `python -m packserve.bench.policy_server --config FILE --policy SPEC --port P`.
+Run as `python -m benchmarks.policy_server --config FILE --policy SPEC --port P`.
 SPEC: `cost[:HORIZON_S]` (packserve's rule), `lru_by_bytes` (packserve 0.11's),
 `lru_by_count:N` (Ray Serve multiplexing), `keep_alive:DEFAULT_S[,NAME=S...]` (Ollama's
 shortest keep-alive first). Everything else is
@@ -13,13 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from packserve.core.policy import (
-    CostAware,
-    VictimPolicy,
-    lru_by_bytes,
-    lru_by_count,
-    shortest_keep_alive_first,
-)
+from benchmarks.baselines import lru_by_count, shortest_keep_alive_first
+from packserve.core.policy import CostAware, VictimPolicy, lru_by_bytes
 
 
 def parse_policy(spec: str) -> VictimPolicy:

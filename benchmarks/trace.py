@@ -1,13 +1,13 @@
-"""`packserve bench trace`: one mixed trace, replayed under packserve's victim policy and two
+"""`python -m benchmarks trace`: one mixed trace, replayed under packserve's victim policy and two
 baselines built as alternative victim-choice functions of the same scheduler.
 
 The trace: arrivals with Gamma inter-arrival times of a given coefficient of variation (1 is a
 Poisson process; above 1 bursty), model popularity Zipf(alpha) over the default catalog,
 prompt and output lengths drawn from small distributions. The memory budget is a fraction of
 the sum of the models' footprints, so some must leave for others to load. Each policy gets a
-fresh server (`packserve.bench.policy_server`, through the real HTTP app) and the same trace.
+fresh server (`benchmarks.policy_server`, through the real HTTP app) and the same trace.
 
-Baselines (see packserve.core.policy):
+Baselines (benchmarks/baselines.py):
 - Ray Serve multiplexing: `lru_by_count(N)` with N the largest count that can never overcommit
   the budget, i.e. budget // the largest footprint: a count limit has to be sized for the
   largest models, since it cannot see bytes.
@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CATALOG,
     CHAT_MODEL,
     COMPLETE_MODEL,
@@ -41,13 +41,14 @@ from packserve.bench.common import (
     Goal,
     Options,
     Report,
+    checkout_env,
     progress,
     request_body,
     rss_bytes,
     run_server,
     write_config,
 )
-from packserve.bench.report import (
+from benchmarks.report import (
     plot_latency_cdfs,
     plot_loads_over_time,
     plot_memory_timeline,
@@ -233,9 +234,9 @@ def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
     samples: list[dict[str, Any]] = []
     events: dict[tuple[Any, ...], dict[str, Any]] = {}
     stop = threading.Event()
-    argv = [sys.executable, "-m", "packserve.bench.policy_server", "--config", str(config),
+    argv = [sys.executable, "-m", "benchmarks.policy_server", "--config", str(config),
             "--policy", spec]
-    with run_server(argv, log=log) as server:
+    with run_server(argv, log=log, env=checkout_env()) as server:
         sampler = threading.Thread(target=_sample,
                                    args=(server.url, server.pid, stop, keys, samples, events))
         sampler.start()
@@ -392,7 +393,7 @@ def run(opts: Options) -> Report:
         "Belady and LRU offline: the trace's requests served one at a time in arrival order "
         "(no timing); a real server that lets requests for a resident model go first while a "
         "load waits for busy models can make fewer loads than that, so it is a reference for "
-        "counts, not a bound. `packserve bench sim` computes Belady's choice with timing.")
+        "counts, not a bound. `python -m benchmarks sim` computes Belady's choice with timing.")
     return report
 
 

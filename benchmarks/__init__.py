@@ -1,11 +1,14 @@
-"""`packserve bench SCENARIO`: packing, overhead, cold starts, a mixed trace, peers, the
-front/worker split (reliability: memory, crash recovery, the hop, drain), a soak (memory,
-descriptors and threads under mixed traffic with evictions, from several API keys) and a pool
-on Ray Serve (routers compared on mixed traces; the entry point's cost; needs `packserve[pool]`).
+"""`python -m benchmarks SCENARIO`, from a checkout: packing, overhead, cold starts, a mixed
+trace, peers, the front/worker split (reliability: memory, crash recovery, the hop, drain), a
+soak (memory, descriptors and threads under mixed traffic with evictions, from several API keys)
+and a pool on Ray Serve (routers compared on mixed traces; the entry point's cost; needs
+`packserve[pool]`).
 
-One module per scenario; each has `run(Options) -> Report`. This module parses the command
-line, runs the scenarios, and writes the JSON results, the plots and the Markdown table.
-Benchmarks report; they are never timed tests.
+The benchmarks live beside the package, not in it: they start their own servers (with the
+baseline victim policies of `benchmarks.baselines`), call engines directly and plot, which a
+server install needs none of. One module per scenario; each has `run(Options) -> Report`. This
+module parses the command line, runs the scenarios, and writes the JSON results, the plots and
+the Markdown table. Benchmarks report; they are never timed tests.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib
 import importlib.util
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak",
@@ -25,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("scenario", choices=(*SCENARIOS, "all"), help="what to measure")
     parser.add_argument("--quick", action="store_true",
                         help="every scenario at a tiny size (seconds, not minutes)")
-    parser.add_argument("--out", default="bench/results", help="results folder (JSON, PNG)")
+    parser.add_argument("--out", default="benchmarks/results", help="results folder (JSON, PNG)")
     parser.add_argument("--docs", help="Markdown file the results table is appended to "
                         "(default OUT/benchmarks.md, beside the JSON; docs/benchmarks.md "
                         "holds the current results, edited by hand)")
@@ -68,20 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-# What `packserve bench` needs beyond a server's install: the `bench` extra.
-BENCH_NEEDS = ("aiohttp", "matplotlib", "openai")
+# What the benchmarks need beyond a server's install (requirements-dev.txt pins them).
+NEEDS = ("aiohttp", "matplotlib", "openai")
 
 
-def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    missing = [m for m in BENCH_NEEDS if importlib.util.find_spec(m) is None]
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     description=(__doc__ or "").split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    missing = [m for m in NEEDS if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"packserve bench needs {', '.join(missing)}: pip install 'packserve[bench]' "
-              f"(scripts/setup.sh --dev installs it)", file=sys.stderr)
+        print(f"the benchmarks need {', '.join(missing)}: scripts/setup.sh --dev installs them "
+              f"(requirements-dev.txt)", file=sys.stderr)
         return 2
-    # Here, not at the top: `packserve serve` builds this parser too, and needs no rich (its
-    # progress bars: ~2.5 MiB in the front).
-    from packserve.bench.common import Options, console, write_results
-    from packserve.bench.report import append_markdown
+    # Here, not at the top: the check above must run without them.
+    from benchmarks.common import Options, console, write_results
+    from benchmarks.report import append_markdown
 
     out = Path(args.out)
     docs = Path(args.docs) if args.docs else out / "benchmarks.md"
@@ -94,12 +101,12 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,
                    extra=extra)
-    rest = sys.argv[2:] if argv is None else argv[1:] if argv[:1] == ["bench"] else argv
-    command = "packserve bench " + shlex.join(rest)
+    rest = sys.argv[1:] if argv is None else list(argv)
+    command = "python -m benchmarks " + shlex.join(rest)
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     failed = 0
     for name in scenarios:
-        module = importlib.import_module(f"packserve.bench.{name}")
+        module = importlib.import_module(f"benchmarks.{name}")
         try:
             report = module.run(opts)
         except Exception as exc:  # one scenario failing must not lose the others' results

@@ -2,11 +2,11 @@
 process's and each llama-server runner's state (R running, S sleeping, T paused by its turn) and
 the CPU it used since the last sample, as JSON lines; then a window of it as a table.
 
-    .venv/bin/python scripts/runner_timeline.py record OUT.jsonl   # until killed
-    .venv/bin/python scripts/runner_timeline.py show OUT.jsonl TRACE_JSON FROM_S TO_S
+    .venv/bin/python -m benchmarks.runner_timeline record OUT.jsonl   # until killed
+    .venv/bin/python -m benchmarks.runner_timeline show OUT.jsonl TRACE_JSON FROM_S TO_S
 
 `show` puts the samples on the trace's clock (seconds since its first request, as the trace's
-events are), from its JSON (`packserve bench trace --out DIR`: DIR/trace.json). A row per
+events are), from its JSON (`python -m benchmarks trace --out DIR`: DIR/trace.json). A row per
 sample: each process busy or not sleeping, as NAME:STATE:CPU% (100 = one core). Runners are
 named by their model's file (`--alias`), the front and worker by their role. docs/engines.md
 quotes it for a runner's start beside an embedding burst.
@@ -32,7 +32,7 @@ def _name(cmd: list[bytes]) -> str | None:
         return "llama-server"
     if b"packserve.worker" in cmd:
         return "worker"
-    if b"packserve.bench.policy_server" in cmd:
+    if b"benchmarks.policy_server" in cmd:
         return "server"  # bench trace's: scheduler and HTTP in one process
     if any(arg.endswith(b"packserve") for arg in cmd[:2]) and b"serve" in cmd:
         return "front"

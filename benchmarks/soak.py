@@ -1,4 +1,4 @@
-"""`packserve bench soak`: mixed traffic across every default model, with evictions, from
+"""`python -m benchmarks soak`: mixed traffic across every default model, with evictions, from
 several API keys, for a bounded time, against one real `packserve serve` (front + worker).
 
 What it answers: does a server that keeps loading and evicting models for hours hold its
@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from packserve.bench import common
-from packserve.bench.common import (
+from benchmarks import common
+from benchmarks.common import (
     MIB,
     Goal,
     Options,
@@ -54,8 +54,8 @@ from packserve.bench.common import (
     run_server,
     write_config,
 )
-from packserve.bench.reliability import Tally, descendants, smaps_rollup
-from packserve.bench.trace import HEADROOM, footprints
+from benchmarks.reliability import Tally, descendants, smaps_rollup
+from benchmarks.trace import HEADROOM, footprints
 
 KIND_OF = {**common.TASK_OF, common.EXTRACT_MODEL: "extract"}  # the request types reported
 KINDS = tuple(dict.fromkeys(KIND_OF[m] for m in common.CATALOG))

@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from packserve.bench.trace import TraceRequest
+from benchmarks.trace import TraceRequest
 from packserve.core.policy import (
     RATE_WINDOW,
     ResidentView,

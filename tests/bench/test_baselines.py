@@ -1,20 +1,14 @@
-"""Table tests for the alternative victim policies the trace benchmark compares against."""
+"""Table tests for the other engines' victim policies the trace benchmark compares against
+(benchmarks/baselines.py); packserve's own rules are tested in tests/core/test_policy.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from packserve.core.policy import (
-    ResidentView,
-    Verdict,
-    VictimPolicy,
-    lru_by_bytes,
-    lru_by_count,
-    plan_admission,
-    shortest_keep_alive_first,
-)
+from benchmarks.baselines import lru_by_count, shortest_keep_alive_first
+from packserve.core.policy import ResidentView, VictimPolicy, lru_by_bytes
 from packserve.types import State
-from tests.factories import MIB, cold, resident
+from tests.factories import MIB, resident
 
 A = resident("a", 100, last_used=1)  # least recently used
 B = resident("b", 200, last_used=2)
@@ -22,18 +16,6 @@ C = resident("c", 300, last_used=3)  # most recently used
 BUSY = resident("busy", 400, last_used=0, in_flight=1)
 PINNED = resident("pin", 400, last_used=0, pinned=True)
 LOADING = resident("loading", 50, last_used=0, state=State.LOADING)
-
-
-@pytest.mark.parametrize(("residents", "need", "free", "expected"), [
-    ([A, B, C], 50, 100, ()),  # fits: nobody leaves
-    ([A, B, C], 150, 100, ("a",)),  # LRU first, only as many bytes as needed
-    ([C, B, A], 350, 100, ("a", "b")),  # input order does not matter
-    ([BUSY, PINNED, A], 300, 100, None),  # busy and pinned never chosen: wait
-    ([LOADING, A], 150, 100, ("a",)),  # a loading resident is not evictable
-])
-def test_lru_by_bytes(residents: list[ResidentView], need: int, free: int,
-                      expected: tuple[str, ...] | None) -> None:
-    assert lru_by_bytes(residents, need * MIB, free * MIB) == expected
 
 
 @pytest.mark.parametrize(("max_models", "residents", "need", "free", "expected"), [
@@ -84,11 +66,3 @@ def test_no_policy_overcommits_or_takes_busy_models(policy: VictimPolicy) -> Non
             continue
         assert all(by_key[k].evictable for k in victims)
         assert sum(by_key[k].bytes for k in victims) >= need * MIB
-
-
-def test_plan_admission_uses_the_policy() -> None:
-    answer = plan_admission(cold("t", 50), [A, B], 1000 * MIB, policy=lru_by_count(2))
-    assert answer.verdict is Verdict.FITS_AFTER_EVICTION
-    assert answer.victims == ("a",)
-    assert "victim policy" in answer.reason
-    assert plan_admission(cold("t", 50), [A, B], 1000 * MIB).verdict is Verdict.FITS

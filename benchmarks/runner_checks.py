@@ -1,11 +1,11 @@
 """Measurements of llama-server runners that docs/engines.md quotes.
 
-    .venv/bin/python scripts/runner_checks.py drift        # greedy answers: together vs alone
-    .venv/bin/python scripts/runner_checks.py start        # where a runner's start goes
-    .venv/bin/python scripts/runner_checks.py embed        # MiniLM's runner: bytes, a rerank
-    .venv/bin/python scripts/runner_checks.py warm         # the warm tier: bytes, release, restore
-    .venv/bin/python scripts/runner_checks.py contention [NAME=VALUE ...]
-                                                  # two busy runners on the same cores
+    .venv/bin/python -m benchmarks.runner_checks drift    # greedy answers: together vs alone
+    .venv/bin/python -m benchmarks.runner_checks start    # where a runner's start goes
+    .venv/bin/python -m benchmarks.runner_checks embed    # MiniLM's runner: bytes, a rerank
+    .venv/bin/python -m benchmarks.runner_checks warm     # the warm tier: bytes, release, restore
+    .venv/bin/python -m benchmarks.runner_checks contention [NAME=VALUE ...]
+                                              # two busy runners on the same cores
 
 `drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
 tokens), then three times four at once; how many answers are identical, with the shared cache
@@ -171,7 +171,7 @@ def embed() -> None:
     compute buffers, touched by requests), and the median time of a rerank of 16 documents."""
     import statistics
 
-    from packserve.bench.common import sentences
+    from benchmarks.common import sentences
 
     folder = Path(tempfile.mkdtemp())
     spec, path = catalog_weights("all-minilm-l6-v2", folder)

@@ -4,7 +4,8 @@ context) under `py-spy record --native`, then prints the median load time (slowe
 the sampling) and the share of the load's samples under each part of it. docs/reliability.md
 ("Patches") quotes it.
 
-    .venv/bin/python scripts/profile_gguf_load.py ~/.cache/packserve/models/gemma-3-270m-q4_k_m.gguf
+    .venv/bin/python -m benchmarks.profile_gguf_load \\
+        ~/.cache/packserve/models/gemma-3-270m-q4_k_m.gguf
 """
 
 import argparse
@@ -15,7 +16,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from packserve.bench.cpu import py_spy
+from benchmarks.cpu import py_spy
 
 LOAD = "llama_model_load_from_file"
 # Functions whose samples (with everything under them) say where a load goes.

@@ -2,8 +2,10 @@
 catalog at the same time, every model loaded by one request; PSS is summed over each server's
 processes (front and worker here; one process before the split). docs/reliability.md quotes it.
 
-    .venv/bin/python scripts/compare_pss.py 43f7ddb      # the last single-process revision
+    .venv/bin/python -m benchmarks.compare_pss 43f7ddb      # the last single-process revision
 """
+
+from __future__ import annotations
 
 import json
 import os
@@ -17,15 +19,15 @@ from pathlib import Path
 import httpx
 
 
-def free_port():
+def free_port() -> int:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
+    p = int(s.getsockname()[1])
     s.close()
     return p
 
 
-def pss(pid):
+def pss(pid: int) -> int:
     total = 0
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
         if line.startswith("Pss:"):
@@ -33,7 +35,7 @@ def pss(pid):
     return total
 
 
-def tree(pid):
+def tree(pid: int) -> list[int]:
     out = [pid]
     for p in os.listdir("/proc"):
         if p.isdigit():
@@ -69,7 +71,7 @@ REQ = [
 ]
 
 
-def run(src, label, data, work):
+def run(src: str, label: str, data: str, work: str) -> subprocess.Popen[bytes]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": src}
     cfg = f"{work}/{label}.toml"
@@ -99,26 +101,33 @@ def run(src, label, data, work):
     return p
 
 
-rev = sys.argv[1] if len(sys.argv) > 1 else "43f7ddb"
-here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-work = tempfile.mkdtemp(prefix="packserve-pss-")
-subprocess.run(["git", "-C", here, "worktree", "add", "-f", "-q", f"{work}/old", rev], check=True)
-data = os.path.expanduser("~/.cache/packserve")
-procs = {}
-try:
-    for label, src in ((rev, f"{work}/old/src"), ("this checkout", f"{here}/src")):
-        procs[label] = run(src, label.replace(" ", "-"), data, work)
-    time.sleep(2)
-    res = {}
-    for label, p in procs.items():
-        pids = tree(p.pid)
-        res[label] = {f"pid {pid}": round(pss(pid) / 2**20, 1) for pid in pids}
-        res[label]["total MiB"] = round(sum(pss(pid) for pid in pids) / 2**20, 1)
-    first, second = (res[k]["total MiB"] for k in res)
-    print(json.dumps({**res, "this checkout / rev": round(second / first, 3)}, indent=1))
-finally:
-    for p in procs.values():
-        p.terminate()
-    for p in procs.values():
-        p.wait(60)
-    subprocess.run(["git", "-C", here, "worktree", "remove", "--force", f"{work}/old"])
+def main() -> int:
+    rev = sys.argv[1] if len(sys.argv) > 1 else "43f7ddb"
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = tempfile.mkdtemp(prefix="packserve-pss-")
+    subprocess.run(["git", "-C", here, "worktree", "add", "-f", "-q", f"{work}/old", rev],
+                   check=True)
+    data = os.path.expanduser("~/.cache/packserve")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for label, src in ((rev, f"{work}/old/src"), ("this checkout", f"{here}/src")):
+            procs[label] = run(src, label.replace(" ", "-"), data, work)
+        time.sleep(2)
+        res: dict[str, dict[str, float]] = {}
+        for label, p in procs.items():
+            pids = tree(p.pid)
+            res[label] = {f"pid {pid}": round(pss(pid) / 2**20, 1) for pid in pids}
+            res[label]["total MiB"] = round(sum(pss(pid) for pid in pids) / 2**20, 1)
+        first, second = (res[k]["total MiB"] for k in res)
+        print(json.dumps({**res, "this checkout / rev": round(second / first, 3)}, indent=1))
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(60)
+        subprocess.run(["git", "-C", here, "worktree", "remove", "--force", f"{work}/old"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

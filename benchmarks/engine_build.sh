@@ -3,23 +3,23 @@
 # F16C/BMI2, no AVX-512, no AMX) against a native build (GGML_NATIVE, llama-cpp-python's
 # default) on this machine. docs/reliability.md quotes the result.
 #
-#   scripts/bench-llama-build.sh [ROUNDS]      (default 3; THREADS=2, DATA_DIR=~/.cache/packserve)
+#   benchmarks/engine_build.sh [ROUNDS]      (default 3; THREADS=2, DATA_DIR=~/.cache/packserve)
 #
 # The native wheel is built once (~6-10 min) into its own cache dir, keyed like setup.sh's by
 # version, flags and interpreter, and installed into .venv-native: a plain virtual environment
 # with llama-cpp-python and its own dependencies only (same versions as .venv). Then both builds
 # are timed alternately (P N, N P, P N, ...), each round in a fresh process, by
-# src/packserve/bench/engine_build.py: SmolLM2-135M and Gemma 3 270M (skipped if its package is
+# benchmarks/engine_build.py: SmolLM2-135M and Gemma 3 270M (skipped if its package is
 # missing), a 256-token prompt and 128 generated tokens, greedy.
-# Writes bench/results/engine-build.json and prints a Markdown table; raw runs and llama.cpp's
-# log go to bench/results/work/.
+# Writes benchmarks/results/engine-build.json and prints a Markdown table; raw runs and
+# llama.cpp's log go to benchmarks/results/work/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 rounds=${1:-3}
 threads=${THREADS:-2}
 data_dir=${DATA_DIR:-$HOME/.cache/packserve}
-work=bench/results/work
+work=benchmarks/results/work
 mkdir -p "$work"
 
 scripts/setup.sh  # the portable build, in .venv; does nothing when it is up to date
@@ -78,14 +78,14 @@ for round in $(seq 1 "$rounds"); do
   for build in $order; do
     venv=.venv; [ "$build" = native ] && venv=.venv-native
     echo "bench-llama-build: round $round/$rounds, $build" >&2
-    if ! "$venv"/bin/python src/packserve/bench/engine_build.py measure --label "$build" \
+    if ! "$venv"/bin/python benchmarks/engine_build.py measure --label "$build" \
         --round "$round" --threads "$threads" "${models[@]}" >> "$runs" 2>> "$log"; then
       tail -20 "$log" >&2
       exit 1
     fi
   done
 done
-.venv/bin/python src/packserve/bench/engine_build.py report "$runs" \
-  --out bench/results/engine-build.json --markdown "$work/engine-build.md" \
+.venv/bin/python benchmarks/engine_build.py report "$runs" \
+  --out benchmarks/results/engine-build.json --markdown "$work/engine-build.md" \
   --portable-flags "$portable_flags" --native-flags "$native_flags" \
-  --command "scripts/bench-llama-build.sh${*:+ $*}"
+  --command "benchmarks/engine_build.sh${*:+ $*}"

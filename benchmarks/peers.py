@@ -1,11 +1,11 @@
-"""`packserve bench peers`: packserve against Infinity (embeddings) and llama.cpp's own
+"""`python -m benchmarks peers`: packserve against Infinity (embeddings) and llama.cpp's own
 multi-model server, `llama-server` in router mode (chat, completion, embeddings), on the same
 model files, with the same requests, in the same run, rounds alternating packserve and the peer.
 
 Infinity lives in its own virtual environment under `--peers-dir` (default .venv-peers/):
 `infinity/` with `infinity-emb[all]==0.0.78` (its pins conflict with packserve's). The router is
 the `llama-server` that scripts/setup.sh builds into the virtual environment from the llama.cpp
-source packserve uses (`packserve.bench.router`), serving SmolLM2 and Gemma 3 270M from the GGUFs
+source packserve uses (`benchmarks.router`), serving SmolLM2 and Gemma 3 270M from the GGUFs
 packserve serves and MiniLM from the GGUF packserve converts from its safetensors and serves.
 docs/benchmarks.md says how to install them. A peer, or a model of it, that cannot run is
 reported as "not installed" or "not available" with the reason, never silently skipped.
@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from packserve.bench import router
-from packserve.bench.common import (
+from benchmarks import router
+from benchmarks.common import (
     CHAT_MODEL,
     COMPLETE_MODEL,
     EMBED_MODEL,
@@ -52,7 +52,7 @@ from packserve.bench.common import (
     sentences,
     write_config,
 )
-from packserve.bench.overhead import api_embed_batches, singles
+from benchmarks.overhead import api_embed_batches, singles
 
 if TYPE_CHECKING:
     from openai import OpenAI

@@ -1,4 +1,4 @@
-"""`packserve bench coldstart`: per model, seconds from cold and from warm to first answer
+"""`python -m benchmarks coldstart`: per model, seconds from cold and from warm to first answer
 against the floor set by reading its weights, and the cost of switching between two resident
 models.
 
@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from packserve.bench.common import (
+from benchmarks.common import (
     CHAT_MODEL,
     COMPLETE_MODEL,
     EMBED_MODEL,
