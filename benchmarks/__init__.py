@@ -6,7 +6,8 @@ and a pool on Ray Serve (routers compared on mixed traces; the entry point's cos
 
 The benchmarks live beside the package, not in it: they start their own servers (with the
 baseline victim policies of `benchmarks.baselines`), call engines directly and plot, which a
-server install needs none of. One module per scenario; each has `run(Options) -> Report`. This
+server install needs none of. What a user runs against their own server is `packserve bench
+--url` (packserve.replay). One module per scenario; each has `run(Options) -> Report`. This
 module parses the command line, runs the scenarios, and writes the JSON results, the plots and
 the Markdown table. Benchmarks report; they are never timed tests.
 """

@@ -26,6 +26,9 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from packserve.replay import request_for
+from packserve.types import Task
+
 console = Console(stderr=True)
 
 MIB = 1 << 20
@@ -249,40 +252,17 @@ def descendants(pid: int) -> list[int]:
 
 def request_body(model: str, *, words: int = 12, max_tokens: int = 16, seed: int = 0,
                  docs: int = 8) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) of one request to `model` of the default catalog."""
-    text = sentences(1, words=words, seed=seed)[0]
-    if model == EMBED_MODEL:
-        return "/v1/embeddings", {"model": model, "input": text}
-    if model == RERANK_MODEL:
-        return "/v1/rerank", {"model": model, "query": text,
-                              "documents": sentences(docs, words=words, seed=seed + 1)}
-    if model == COMPLETE_MODEL:
-        return "/v1/completions", {"model": model, "prompt": text, "max_tokens": max_tokens,
-                                   "temperature": 0}
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-                            "seed": seed, "messages": [{"role": "user", "content": text}]}
+    """(path, JSON body) of one request to `model` of the default catalog: its task's request
+    (packserve.replay), and for the extractor a JSON schema to fill."""
+    path, body = request_for(Task(TASK_OF[model]), model, words=words, max_tokens=max_tokens,
+                             seed=seed, docs=docs)
     if model == EXTRACT_MODEL:
+        text = body["messages"][0]["content"]
         body["messages"] = [{"role": "user", "content": "Extract the person: " + text}]
         body["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "person", "schema": {"type": "object", "properties": {
                 "name": {"type": "string"}, "age": {"type": "integer"}}}}}
-    return "/v1/chat/completions", body
-
-
-_WORDS = (  # noqa: SIM905 (one sentence reads better than 60 strings)
-    "the quick brown fox jumps over a lazy dog while seven engineers measure memory "
-          "latency tokens models packing servers under load across two small cores and one "
-          "budget each request waits queues evict warm cold paris river mountain coffee "
-          "library window garden music silver train morning").split()
-
-
-def sentences(n: int, *, words: int = 12, seed: int = 0) -> list[str]:
-    """`n` deterministic, varied English-looking sentences of `words` words."""
-    import random
-
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(words)).capitalize() + "."
-            for _ in range(n)]
+    return path, body
 
 
 def median(values: Sequence[float]) -> float:

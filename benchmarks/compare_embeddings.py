@@ -29,10 +29,10 @@ from benchmarks.common import (
     model_path,
     packserve_argv,
     run_server,
-    sentences,
     write_config,
 )
 from benchmarks.overhead import Direct, api_embed_batches, singles
+from packserve.replay import sentences
 
 
 def main() -> int:

@@ -31,10 +31,10 @@ from benchmarks.common import (
     progress,
     ratio,
     run_server,
-    sentences,
     write_config,
 )
 from benchmarks.cpu import CpuSnapshot, profiled, top_frames, worker_pid
+from packserve.replay import sentences
 
 CHAT_SLOTS = 4  # parallel slots of the chat model in this bench (the four streams)
 N_CTX = 2048  # the catalog's context_length for SmolLM2

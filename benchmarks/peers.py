@@ -49,10 +49,10 @@ from benchmarks.common import (
     progress,
     ratio,
     run_server,
-    sentences,
     write_config,
 )
 from benchmarks.overhead import api_embed_batches, singles
+from packserve.replay import sentences
 
 if TYPE_CHECKING:
     from openai import OpenAI

@@ -69,9 +69,8 @@ from benchmarks.common import (
     progress,
     ratio,
     run_server,
-    sentences,
 )
-from benchmarks.trace import TraceRequest, make_trace
+from packserve.replay import TraceRequest, make_trace, sentences
 
 SCALE = 0.5  # sizes and load times of the catalog below, one factor for both
 LOAD_MIB_PER_S = 500.0  # Gemma-3-270M's 400 MiB GGUF loads in 0.8 s on this machine

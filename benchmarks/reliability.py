@@ -61,10 +61,10 @@ from benchmarks.common import (
     ratio,
     request_body,
     run_server,
-    sentences,
     write_config,
 )
 from benchmarks.cpu import cpu_seconds
+from packserve.replay import sentences
 
 CHAT = "/v1/chat/completions"
 EMBED = "/v1/embeddings"

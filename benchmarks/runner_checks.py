@@ -171,7 +171,7 @@ def embed() -> None:
     compute buffers, touched by requests), and the median time of a rerank of 16 documents."""
     import statistics
 
-    from benchmarks.common import sentences
+    from packserve.replay import sentences
 
     folder = Path(tempfile.mkdtemp())
     spec, path = catalog_weights("all-minilm-l6-v2", folder)

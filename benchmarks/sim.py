@@ -65,8 +65,9 @@ from benchmarks.simulator import (
     future_arrivals,
     simulate,
 )
-from benchmarks.trace import TraceRequest, make_trace
+from benchmarks.trace import POPULARITY
 from packserve.core.policy import CostAware, VictimPolicy, lru_by_bytes
+from packserve.replay import TraceRequest, make_trace
 
 TASKS = ("embed", "rerank", "chat", "complete")
 DEFAULT_SLO = "embed=0.5,rerank=0.5,chat=4,complete=4"
@@ -369,7 +370,7 @@ def validate(trace_json: Path, calibration: Mapping[str, Any]) -> dict[str, Any]
     trace = make_trace(seed=int(p.get("seed", 1)), duration_s=float(p.get("duration_s", 60)),
                        rate=float(p.get("rate_per_s", 1.5)),
                        alpha=float(p.get("zipf_alpha", 0.9)),
-                       cv=float(p.get("interarrival_cv", 1.0)))
+                       cv=float(p.get("interarrival_cv", 1.0)), models=POPULARITY)
     slo = {**slo_targets(DEFAULT_SLO), **{k: float(v) for k, v in res.get("slo_s", {}).items()}}
     sizes = _measured_sizes(res)
     box = cpu_box(_with_run_warm_tier(calibration, res, sizes),

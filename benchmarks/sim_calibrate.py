@@ -36,7 +36,7 @@ from benchmarks.common import (
     run_server,
     write_config,
 )
-from benchmarks.trace import MAX_TOKENS, PROMPT_WORDS
+from packserve.replay import MAX_TOKENS, PROMPT_WORDS
 
 REPEATS = 3  # loads and unloads per set of weights; samples per request size
 CONTENTION_ROUNDS = 2

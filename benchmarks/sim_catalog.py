@@ -23,7 +23,8 @@ from benchmarks.common import (
     TASK_OF,
 )
 from benchmarks.simulator import LOAD, Box, ServiceModel, SimModel, Weights
-from benchmarks.trace import POPULARITY, TraceRequest, make_trace
+from benchmarks.trace import POPULARITY
+from packserve.replay import TraceRequest, make_trace
 
 GIB = 1 << 30
 GB = 10**9

@@ -51,7 +51,6 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from benchmarks.trace import TraceRequest
 from packserve.core.policy import (
     RATE_WINDOW,
     ResidentView,
@@ -62,6 +61,7 @@ from packserve.core.policy import (
     plan_admission,
 )
 from packserve.core.resident import Moves
+from packserve.replay import TraceRequest
 from packserve.types import State
 
 TIGHT = frozenset({"embed", "rerank"})  # the tasks with the tight SLO; the rest generate

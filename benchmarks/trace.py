@@ -22,7 +22,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,46 +54,13 @@ from benchmarks.report import (
     plot_memory_timeline,
 )
 from packserve.config import ServerConfig
+from packserve.replay import TraceRequest, TraceSpec, attainment, by_task, replay
+from packserve.types import Task
 
 # Popularity rank (Zipf): the embedder is the most used, the extractor the least.
 POPULARITY = (EMBED_MODEL, CHAT_MODEL, RERANK_MODEL, COMPLETE_MODEL, EXTRACT_MODEL)
-PROMPT_WORDS = ((8, 0.5), (32, 0.35), (96, 0.15))
-MAX_TOKENS = ((8, 0.4), (16, 0.4), (32, 0.2))
 HEADROOM = 16 * MIB
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    at: float  # seconds after the start
-    model: str
-    words: int
-    max_tokens: int
-    seed: int
-
-
-def make_trace(*, seed: int, duration_s: float, rate: float, alpha: float, cv: float,
-               models: tuple[str, ...] = POPULARITY) -> list[TraceRequest]:
-    """The same seed gives the same trace. Pure: no clock, no I/O."""
-    rng = np.random.default_rng(seed)
-    weights = np.array([1.0 / (i + 1) ** alpha for i in range(len(models))])
-    weights /= weights.sum()
-    shape = 1.0 / (cv * cv)  # Gamma(k, theta): mean k*theta = 1/rate, CV = 1/sqrt(k)
-    out: list[TraceRequest] = []
-    t = 0.0
-    while True:
-        t += float(rng.gamma(shape, 1.0 / (rate * shape)))
-        if t >= duration_s:
-            return out
-        model = models[int(rng.choice(len(models), p=weights))]
-        words = _pick(rng, PROMPT_WORDS)
-        out.append(TraceRequest(at=t, model=model, words=words,
-                                max_tokens=_pick(rng, MAX_TOKENS),
-                                seed=int(rng.integers(1_000_000_000))))
-
-
-def _pick(rng: np.random.Generator, table: tuple[tuple[int, float], ...]) -> int:
-    values, probs = zip(*table, strict=True)
-    return int(values[int(rng.choice(len(values), p=np.array(probs) / sum(probs)))])
+TASKS = {m: Task(TASK_OF[m]) for m in CATALOG}
 
 
 def footprints(opts: Options, config: Path) -> dict[str, int]:
@@ -115,27 +82,8 @@ def footprints(opts: Options, config: Path) -> dict[str, int]:
     return out
 
 
-async def _replay(url: str, trace: list[TraceRequest], advance: Any) -> list[dict[str, Any]]:
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    results: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
-        start = time.perf_counter()
-
-        async def one(r: TraceRequest) -> None:
-            await asyncio.sleep(max(0.0, start + r.at - time.perf_counter()))
-            path, body = request_body(r.model, words=r.words, max_tokens=r.max_tokens,
-                                      seed=r.seed)
-            t0 = time.perf_counter()
-            try:
-                status = (await c.post(path, json=body)).status_code
-            except httpx.HTTPError as exc:
-                status = -1 if not isinstance(exc, httpx.HTTPStatusError) else 0
-            results.append({"at": r.at, "model": r.model, "task": TASK_OF[r.model],
-                            "status": status, "latency_s": time.perf_counter() - t0})
-            advance(1)
-
-        await asyncio.gather(*(one(r) for r in trace))
-    return results
+def _request(r: TraceRequest) -> tuple[str, dict[str, Any]]:
+    return request_body(r.model, words=r.words, max_tokens=r.max_tokens, seed=r.seed)
 
 
 def _events(url: str) -> dict[str, int]:
@@ -241,39 +189,26 @@ def _one_run(opts: Options, config: Path, spec: str, trace: list[TraceRequest],
                                    args=(server.url, server.pid, stop, keys, samples, events))
         sampler.start()
         t0 = time.perf_counter()
-        results = asyncio.run(_replay(server.url, trace, advance))
+        outcomes = asyncio.run(replay(server.url, trace, TASKS, make=_request,
+                                      on_done=lambda _: advance(1)))
         wall = time.perf_counter() - t0
         time.sleep(1.0)  # one more sample: the last events
         stop.set()
         sampler.join(timeout=30)
         counts = _events(server.url)
-    stats: dict[str, Any] = {}
-    for task in sorted({TASK_OF[m] for m in CATALOG}):
-        rs = [r for r in results if r["task"] == task]
-        ok = [r["latency_s"] for r in rs if r["status"] == 200]
-        if not rs:
-            continue
-        p50, p90, p95, p99 = (np.percentile(ok, [50, 90, 95, 99]).tolist() if ok
-                              else [None] * 4)
-        met = sum(1 for r in rs if r["status"] == 200 and r["latency_s"] <= slo[task])
-        # goodput: requests answered within their SLO, per second of the replay
-        stats[task] = {"requests": len(rs), "errors": len(rs) - len(ok), "p50_s": p50,
-                       "p90_s": p90, "p95_s": p95, "p99_s": p99, "slo_s": slo[task],
-                       "slo_attainment": met / len(rs), "goodput_rps": met / wall,
-                       "latencies_s": ok}
+    stats = by_task(outcomes, slo, wall)
     loaded = sorted((e for e in events.values() if e["kind"] == "load"), key=lambda e: e["t"])
     loads = [e for e in loaded if e.get("tier_from", "cold") == "cold"]
     restores = [e for e in loaded if e.get("tier_from") == "warm"]
     evicts = sorted((e for e in events.values() if e["kind"] == "evict"), key=lambda e: e["t"])
-    met_all = sum(s["slo_attainment"] * s["requests"] for s in stats.values())
     return {"policy": spec, "by_task": stats, "events": counts,
-            "slo_attainment": met_all / max(1, len(results)), "wall_s": wall,
+            "slo_attainment": attainment(stats), "wall_s": wall,
             "loads": len(loads), "evictions": len(evicts), "restores": len(restores),
             "reload_s": sum(e["seconds"] for e in loaded),
             "bytes_loaded": sum(e["bytes_measured"] for e in loaded),
             "load_events": loads, "restore_events": restores, "evict_events": evicts,
             "peak_rss_bytes": max((s["rss"] for s in samples), default=0),
-            "requests": results, "memory": samples}
+            "requests": [asdict(o) for o in outcomes], "memory": samples}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -311,7 +246,9 @@ def run(opts: Options) -> Report:
                                memory_budget=str(capacity + HEADROOM), headroom=str(HEADROOM),
                                device_extra="warm_tier = false", server_extra="load_turn = 0")
     max_models = max(1, capacity // max(sizes.values()))
-    trace = make_trace(seed=seed, duration_s=duration, rate=rate, alpha=alpha, cv=cv)
+    trace_spec = TraceSpec(seed=seed, duration_s=duration, rate_per_s=rate, zipf_alpha=alpha,
+                           interarrival_cv=cv, popularity=POPULARITY)
+    trace = trace_spec.requests()
     # Which weights a catalog name uses: shared weights are loaded, counted and drawn once.
     keys = {EMBED_MODEL: "MiniLM (embed+rerank)", RERANK_MODEL: "MiniLM (embed+rerank)",
             CHAT_MODEL: "SmolLM2 (chat+extract)", EXTRACT_MODEL: "SmolLM2 (chat+extract)",
@@ -357,9 +294,8 @@ def run(opts: Options) -> Report:
                      None, None, None, round(loaded / MIB)])
     _plots(opts, report, per_policy, keys, capacity, duration)
     report.results = {
-        "trace": {"seed": seed, "duration_s": duration, "rate_per_s": rate, "zipf_alpha": alpha,
-                  "interarrival_cv": cv, "requests": len(trace), "popularity": list(POPULARITY),
-                  "prompt_words": PROMPT_WORDS, "max_tokens": MAX_TOKENS},
+        # What `packserve bench --trace` and `sim --validate` read back.
+        "trace": {**trace_spec.as_json(), "requests": len(trace)},
         "footprints_bytes": sizes, "budget_bytes": capacity + HEADROOM,
         "headroom_bytes": HEADROOM, "capacity_bytes": capacity, "slo_s": slo,
         "repeat": repeat, "policies": per_policy,

@@ -38,8 +38,8 @@ from benchmarks.simulator import (
     future_arrivals,
     simulate,
 )
-from benchmarks.trace import TraceRequest
 from packserve.core.policy import CostAware, ResidentView, lru_by_bytes
+from packserve.replay import TraceRequest
 from packserve.types import State
 
 SLO = {"embed": 0.5, "rerank": 0.5, "chat": 4.0, "complete": 4.0}
