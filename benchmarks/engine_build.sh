@@ -35,7 +35,7 @@ py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[
 native_key=$(printf '%s\n' "$llama_version" "$native_flags" "$py_tag" | sha256sum | cut -c1-16)
 wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-native-$native_key
 if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "bench-llama-build: building llama-cpp-python $llama_version native (GGML_NATIVE; ~6-10 min) into $wheel_dir" >&2
+  echo "engine_build.sh: building llama-cpp-python $llama_version native (GGML_NATIVE; ~6-10 min) into $wheel_dir" >&2
   rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
   CMAKE_ARGS="$native_flags" pip_in .venv wheel -q --no-cache-dir --no-deps \
     --no-binary llama-cpp-python -w "$wheel_dir.partial" "llama-cpp-python==$llama_version"
@@ -46,7 +46,7 @@ if [ ! -x .venv-native/bin/python ]; then
   "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv .venv-native
 fi
 if [ "$(cat .venv-native/.llama-cpp-build 2>/dev/null)" != "$native_key" ]; then
-  echo "bench-llama-build: installing the native build into .venv-native" >&2
+  echo "engine_build.sh: installing the native build into .venv-native" >&2
   constraints=$work/engine-build-constraints.txt
   pip_in .venv freeze --exclude-editable | grep -v -e ' @ ' -e '^llama.cpp.python==' > "$constraints"
   pip_in .venv-native install -q --force-reinstall -c "$constraints" "$wheel_dir"/llama_cpp_python-*.whl
@@ -64,10 +64,10 @@ print(resolve_source("package:" + sys.argv[1], base_dir=Path.cwd(),
                      models_dir=Path(sys.argv[2]).expanduser() / "models"))' "$package" "$data_dir"); then
     models+=(--model "$name=$path")
   else
-    echo "bench-llama-build: no $name ($package not installed?): skipped" >&2
+    echo "engine_build.sh: no $name ($package not installed?): skipped" >&2
   fi
 done
-[ ${#models[@]} -gt 0 ] || { echo "bench-llama-build: no model to time" >&2; exit 1; }
+[ ${#models[@]} -gt 0 ] || { echo "engine_build.sh: no model to time" >&2; exit 1; }
 
 runs=$work/engine-build-runs.jsonl
 log=$work/engine-build.log
@@ -77,7 +77,7 @@ for round in $(seq 1 "$rounds"); do
   [ $((round % 2)) -eq 0 ] && order="native portable"
   for build in $order; do
     venv=.venv; [ "$build" = native ] && venv=.venv-native
-    echo "bench-llama-build: round $round/$rounds, $build" >&2
+    echo "engine_build.sh: round $round/$rounds, $build" >&2
     if ! "$venv"/bin/python benchmarks/engine_build.py measure --label "$build" \
         --round "$round" --threads "$threads" "${models[@]}" >> "$runs" 2>> "$log"; then
       tail -20 "$log" >&2
