@@ -7,15 +7,9 @@ import pytest
 
 from benchmarks.baselines import lru_by_count, shortest_keep_alive_first
 from packserve.core.policy import ResidentView, VictimPolicy, lru_by_bytes
-from packserve.types import State
-from tests.factories import MIB, resident
+from tests.factories import MIB, resident, victim_rows
 
-A = resident("a", 100, last_used=1)  # least recently used
-B = resident("b", 200, last_used=2)
-C = resident("c", 300, last_used=3)  # most recently used
-BUSY = resident("busy", 400, last_used=0, in_flight=1)
-PINNED = resident("pin", 400, last_used=0, pinned=True)
-LOADING = resident("loading", 50, last_used=0, state=State.LOADING)
+A, B, C, BUSY, PINNED, LOADING = victim_rows()  # A least recently used, C most
 
 
 @pytest.mark.parametrize(("max_models", "residents", "need", "free", "expected"), [

@@ -23,7 +23,7 @@ from packserve.core.policy import (
     policy_name,
 )
 from packserve.types import State
-from tests.factories import cold, resident
+from tests.factories import cold, resident, victim_rows
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -102,12 +102,7 @@ def test_choose_victims_honours_a_custom_order() -> None:
     assert newest_first == ("new",)
 
 
-A = resident("a", 100, last_used=1)  # least recently used
-B = resident("b", 200, last_used=2)
-C = resident("c", 300, last_used=3)  # most recently used
-BUSY = resident("busy", 400, last_used=0, in_flight=1)
-PINNED = resident("pin", 400, last_used=0, pinned=True)
-LOADING = resident("loading", 50, last_used=0, state=State.LOADING)
+A, B, C, BUSY, PINNED, LOADING = victim_rows()  # A least recently used, C most
 
 
 @pytest.mark.parametrize(("residents", "need", "free", "expected"), [

@@ -36,6 +36,7 @@ from tests.factories.scheduler import (
     resident,
     run,
     use,
+    victim_rows,
 )
 from tests.factories.servers import (
     Running,
@@ -91,5 +92,6 @@ __all__ = [
     "serve",
     "serve_process",
     "use",
+    "victim_rows",
     "write_config",
 ]
