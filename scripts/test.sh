@@ -18,6 +18,6 @@ if ! command -v chromium >/dev/null 2>&1; then
   $sudo apt-get install -y -q chromium >/dev/null \
     || { $sudo apt-get update -q && $sudo apt-get install -y -q chromium >/dev/null; }
 fi
-.venv/bin/ruff check src tests
+.venv/bin/ruff check src benchmarks tests
 .venv/bin/mypy
 .venv/bin/python -m pytest ${fast[@]+"${fast[@]}"} "$@"

@@ -1,4 +1,4 @@
-"""`packserve serve` and `packserve ps`."""
+"""The `packserve` command: serve, keys, ps, pool, plan, audit and bench."""
 
 from __future__ import annotations
 
@@ -81,14 +81,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_cli.add_arguments(sub.add_parser("plan", help="size memory, GPUs and cost"))
     audit.add_arguments(sub.add_parser("audit", help="who holds memory, duplicates, what fits"))
 
-    from packserve import bench
-
-    bench.add_arguments(sub.add_parser("bench", help="measure packing, overhead, cold starts, "
-                                       "a mixed trace, peers, and reliability"))
+    bench = sub.add_parser("bench", help="replay a trace against a running server (packserve "
+                           "or any OpenAI-compatible one): latency and SLOs per model type")
+    bench.add_argument("scenario", nargs="?", help=argparse.SUPPRESS)  # moved: python -m benchmarks
+    bench.add_argument("--url", help="the server (required), e.g. http://127.0.0.1:8000")
+    bench.add_argument("--trace", help="replay the trace a results file records: `python -m "
+                       "benchmarks trace`'s trace.json, or this command's --out")
+    bench.add_argument("--rate", type=float, help="mean requests per second (default 1.5)")
+    bench.add_argument("--duration", type=float, help="seconds of arrivals (default 120)")
+    bench.add_argument("--cv", type=float, help="coefficient of variation of inter-arrivals: "
+                       "1 Poisson (default), above 1 bursty (Gamma)")
+    bench.add_argument("--alpha", type=float, help="Zipf exponent of model popularity "
+                       "(default 0.9)")
+    bench.add_argument("--seed", type=int, help="random seed: the same one, the same trace "
+                       "(default 1)")
+    bench.add_argument("--models", help="the models to ask, most popular first, "
+                       "comma-separated (default: every model /v1/models lists, in its order)")
+    bench.add_argument("--tasks", help="NAME=TASK,...: the task to send a model that "
+                       "/v1/models lists without one (default chat)")
+    bench.add_argument("--slo", help="latency targets in seconds per type, e.g. "
+                       "embed=0.5,chat=4 (default packserve's [server.slo] defaults)")
+    bench.add_argument("--out", help="write the results (JSON) to this file")
+    bench.add_argument("--api-key", help="a key, when the server has keys (or "
+                       "PACKSERVE_API_KEY)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return bench.run_bench(args, list(argv) if argv is not None else None)
+        return _bench(bench, args, argv)
     if args.command == "plan":
         return plan_cli.run_plan(args)
     if args.command == "audit":
@@ -247,6 +267,74 @@ def _keys(args: argparse.Namespace) -> int:
         print(f"packserve keys: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+_GENERATE = {"rate": 1.5, "duration": 120.0, "cv": 1.0, "alpha": 0.9, "seed": 1}
+
+
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace,
+           argv: Sequence[str] | None) -> int:
+    import json
+    import os
+    import shlex
+    from pathlib import Path
+
+    # Here, not at the top: `serve` runs this module and needs neither (httpx, numpy, rich).
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from packserve import replay
+
+    if args.scenario:
+        parser.error(f"the benchmark scenarios ({args.scenario}) run from a checkout: "
+                     f".venv/bin/python -m benchmarks {args.scenario} (docs/benchmarks.md); "
+                     f"packserve bench --url URL replays a trace against a running server")
+    if not args.url:
+        parser.error("--url is required: the server to replay a trace against")
+    given = [f"--{k}" for k in _GENERATE if getattr(args, k) is not None]
+    if args.trace and given:
+        parser.error(f"--trace replays a recorded trace; {', '.join(given)} would not apply")
+    key = args.api_key or os.environ.get("PACKSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        if args.trace:
+            spec = replay.read_spec(Path(args.trace))
+        else:
+            g = {k: v if getattr(args, k) is None else getattr(args, k)
+                 for k, v in _GENERATE.items()}
+            models = tuple(m.strip() for m in (args.models or "").split(",") if m.strip())
+            spec = replay.TraceSpec(seed=int(g["seed"]), duration_s=g["duration"],
+                                    rate_per_s=g["rate"], zipf_alpha=g["alpha"],
+                                    interarrival_cv=g["cv"], popularity=models)
+        slo = replay.slo_targets(args.slo)
+        tasks = replay.task_overrides(args.tasks)
+        with Progress(console=Console(stderr=True), disable=args.no_progress,
+                      transient=True) as bar:
+            task = bar.add_task("replaying", total=None)
+            report = replay.run(args.url.rstrip("/"), spec, tasks=tasks, slo=slo,
+                                headers=headers,
+                                progress=lambda done, total: bar.update(task, completed=done,
+                                                                        total=total))
+    except replay.ReplayError as exc:
+        print(f"packserve bench: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # the requests in flight are abandoned with the event loop
+        print("packserve bench: interrupted, no report", file=sys.stderr)
+        return 130
+    print("\n".join(report.lines()))
+    if args.out:
+        rest = sys.argv[1:] if argv is None else list(argv)
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report.as_json("packserve " + shlex.join(rest)),
+                                      indent=1) + "\n", "utf-8")
+        except OSError as exc:
+            print(f"packserve bench: cannot write {out}: {exc}", file=sys.stderr)
+            return 1
+        print(f"results: {out}")
+    answered = any(o.status == 200 for o in report.outcomes)
+    return 0 if answered or not report.outcomes else 1
 
 
 def _ps(args: argparse.Namespace) -> int:

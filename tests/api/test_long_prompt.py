@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from packserve.bench.engine_build import TEXT  # real prose, ~400 tokens for SmolLM2
+from benchmarks.engine_build import TEXT  # real prose, ~400 tokens for SmolLM2
 from tests.factories import Running
 
 pytestmark = pytest.mark.real

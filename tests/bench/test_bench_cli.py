@@ -1,4 +1,5 @@
-"""`packserve bench` without the bench extra says what to install, and runs nothing."""
+"""`python -m benchmarks` without the benchmarks' own dependencies says what installs them, and
+runs nothing."""
 
 from __future__ import annotations
 
@@ -7,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from packserve.cli import main
+from benchmarks import main
 
 
-def test_a_missing_extra_is_named_with_how_to_install_it(
+def test_a_missing_dependency_is_named_with_how_to_install_it(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
-    assert main(["bench", "trace", "--quick", "--out", str(tmp_path)]) == 2
+    assert main(["trace", "--quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "needs matplotlib" in err and "pip install 'packserve[bench]'" in err
+    assert "need matplotlib" in err and "scripts/setup.sh --dev" in err
     assert list(tmp_path.iterdir()) == []  # nothing ran

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from packserve.bench.cpu import CpuSnapshot, top_frames, worker_pid
+from benchmarks.cpu import CpuSnapshot, top_frames, worker_pid
 
 
 def test_top_frames_ranks_functions_by_self_samples(tmp_path: Path) -> None:

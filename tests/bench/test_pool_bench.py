@@ -1,4 +1,4 @@
-"""`packserve bench pool`: the traces and the fake catalog it builds, and a `--quick` run on a
+"""`python -m benchmarks pool`: the traces and the fake catalog it builds, and a `--quick` run on a
 local Ray cluster whose report must be whole and consistent.
 
 These check the tooling, never the figures: no timing, and no router is required to win.
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from packserve.bench.pool import (
+from benchmarks import main
+from benchmarks.pool import (
     BY_NAME,
     CATALOG,
     ROUTERS,
@@ -25,7 +26,6 @@ from packserve.bench.pool import (
     residency_counts,
     slo_targets,
 )
-from packserve.cli import main
 
 
 def test_traces_are_reproducible_and_the_shifting_one_reverses_popularity() -> None:
@@ -98,7 +98,7 @@ def test_quick_run_reports_every_router_and_every_request(tmp_path: Path,
                                                           models_dir: Path) -> None:
     pytest.importorskip("ray.serve")
     out, docs = tmp_path / "out", tmp_path / "benchmarks.md"
-    rc = main(["bench", "pool", "--quick", "--no-progress", "--out", str(out),
+    rc = main(["pool", "--quick", "--no-progress", "--out", str(out),
                "--docs", str(docs), "--data-dir", str(models_dir)])
     assert rc == 0
     data = json.loads((out / "pool.json").read_text("utf-8"))

@@ -1,19 +1,18 @@
-"""`packserve bench SCENARIO --quick` for each scenario: results are produced and well-formed.
+"""`python -m benchmarks SCENARIO --quick` for each scenario: results are produced and well-formed.
 
 These check the tooling, never the figures: benchmarks report, they are not timed tests.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
 import pytest
 
-from packserve.bench.soak import KINDS, budget_for, pooled_slope
-from packserve.bench.trace import make_trace
-from packserve.cli import main
+from benchmarks import main
+from benchmarks.soak import KINDS, budget_for, pooled_slope
+from packserve.replay import read_spec
 
 pytestmark = pytest.mark.real
 
@@ -24,7 +23,7 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
                                               models_dir: Path) -> None:
     out = tmp_path / "out"
     docs = tmp_path / "benchmarks.md"
-    rc = main(["bench", scenario, "--quick", "--no-progress", "--out", str(out),
+    rc = main([scenario, "--quick", "--no-progress", "--out", str(out),
                "--docs", str(docs), "--data-dir", str(models_dir)])
     assert rc == 0
     data = json.loads((out / f"{scenario}.json").read_text("utf-8"))
@@ -59,6 +58,8 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
             assert p["bytes_loaded"] >= min(results["footprints_bytes"].values())
             assert p["reload_s"] > 0 and p["runs"], label
         assert results["offline"]["belady"]["loads"] <= results["offline"]["lru"]["loads"]
+        # `packserve bench --trace` reads the trace back from the results file.
+        assert len(read_spec(out / "trace.json").requests()) == results["trace"]["requests"]
     if scenario == "packing":  # the bare engines ran beside the servers, MiniLM's once
         assert len(results["bare_pss_bytes"]) == 1 and results["ratio_bare_engines"] > 0
     if scenario == "reliability":
@@ -68,29 +69,10 @@ def test_quick_run_writes_well_formed_results(scenario: str, tmp_path: Path,
         assert [r["load_nice"] for r in results["loads_beside_traffic"]] == [0, 10]
 
 
-def test_trace_is_reproducible_and_shaped_by_its_parameters() -> None:
-    a = make_trace(seed=3, duration_s=200, rate=2.0, alpha=0.9, cv=1.0)
-    assert a == make_trace(seed=3, duration_s=200, rate=2.0, alpha=0.9, cv=1.0)
-    assert a != make_trace(seed=4, duration_s=200, rate=2.0, alpha=0.9, cv=1.0)
-    assert 300 < len(a) < 500  # about rate x duration
-    assert all(0 <= r.at < 200 for r in a)
-    counts = [sum(r.model == m for r in a) for m in dict.fromkeys(r.model for r in a)]
-    assert max(counts) > min(counts)  # Zipf: not uniform
-    bursty = make_trace(seed=3, duration_s=200, rate=2.0, alpha=0.9, cv=3.0)
-    gaps = [y.at - x.at for x, y in itertools.pairwise(bursty)]
-    poisson = [y.at - x.at for x, y in itertools.pairwise(a)]
-    assert _cv(gaps) > 1.5 * _cv(poisson)
-
-
-def _cv(xs: list[float]) -> float:
-    mean = sum(xs) / len(xs)
-    return float((sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5 / mean)
-
-
 def test_quick_soak_answers_every_request_it_accepts_without_a_500(tmp_path: Path,
                                                                     models_dir: Path) -> None:
     out, docs = tmp_path / "out", tmp_path / "benchmarks.md"
-    rc = main(["bench", "soak", "--quick", "--no-progress", "--out", str(out),
+    rc = main(["soak", "--quick", "--no-progress", "--out", str(out),
                "--docs", str(docs), "--data-dir", str(models_dir)])
     assert rc == 0
     data = json.loads((out / "soak.json").read_text("utf-8"))

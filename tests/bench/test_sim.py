@@ -1,6 +1,7 @@
-"""`bench.simulator`, `bench.sim_catalog` and `packserve bench sim`: the simulated scheduler
-follows the real one's rules on hand-made traces whose outcome can be worked out by hand, and
-the scenario's report is whole. No real model, no timing: simulated seconds only."""
+"""`benchmarks.simulator`, `benchmarks.sim_catalog` and `python -m benchmarks sim`: the
+simulated scheduler follows the real one's rules on hand-made traces whose outcome can be
+worked out by hand, and the scenario's report is whole. No real model, no timing: simulated
+seconds only."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from packserve.bench.common import MIB
-from packserve.bench.sim import _load_turn_of, _with_run_warm_tier, policies, validate
-from packserve.bench.sim_calibrate import _fit
-from packserve.bench.sim_catalog import (
+from benchmarks import main
+from benchmarks.common import MIB
+from benchmarks.sim import _load_turn_of, _with_run_warm_tier, policies, validate
+from benchmarks.sim_calibrate import _fit
+from benchmarks.sim_catalog import (
     BUILTIN_CALIBRATION,
     GPU_MODELS,
     TRACES,
@@ -23,7 +25,7 @@ from packserve.bench.sim_catalog import (
     oversubscribed,
     sim_trace,
 )
-from packserve.bench.simulator import (
+from benchmarks.simulator import (
     LOAD,
     Belady,
     Box,
@@ -36,9 +38,8 @@ from packserve.bench.simulator import (
     future_arrivals,
     simulate,
 )
-from packserve.bench.trace import TraceRequest
-from packserve.cli import main
 from packserve.core.policy import CostAware, ResidentView, lru_by_bytes
+from packserve.replay import TraceRequest
 from packserve.types import State
 
 SLO = {"embed": 0.5, "rerank": 0.5, "chat": 4.0, "complete": 4.0}
@@ -441,7 +442,7 @@ def sorted_trace(trace: Sequence[TraceRequest]) -> list[TraceRequest]:
 
 def test_quick_sim_run_writes_a_whole_report(tmp_path: Path) -> None:
     out, docs = tmp_path / "out", tmp_path / "benchmarks.md"
-    rc = main(["bench", "sim", "--quick", "--no-progress", "--out", str(out),
+    rc = main(["sim", "--quick", "--no-progress", "--out", str(out),
                "--docs", str(docs)])
     assert rc == 0
     data = json.loads((out / "sim.json").read_text("utf-8"))

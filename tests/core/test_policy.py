@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 
@@ -22,7 +23,7 @@ from packserve.core.policy import (
     policy_name,
 )
 from packserve.types import State
-from tests.factories import cold, resident
+from tests.factories import cold, resident, victim_rows
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -99,6 +100,21 @@ def test_choose_victims_honours_a_custom_order() -> None:
     residents = [resident("old", 100, last_used=1), resident("new", 100, last_used=9)]
     newest_first = choose_victims(residents, 100 * MIB, 0, order=lambda r: (-r.last_used,))
     assert newest_first == ("new",)
+
+
+A, B, C, BUSY, PINNED, LOADING = victim_rows()  # A least recently used, C most
+
+
+@pytest.mark.parametrize(("residents", "need", "free", "expected"), [
+    ([A, B, C], 50, 100, ()),  # fits: nobody leaves
+    ([A, B, C], 150, 100, ("a",)),  # LRU first, only as many bytes as needed
+    ([C, B, A], 350, 100, ("a", "b")),  # input order does not matter
+    ([BUSY, PINNED, A], 300, 100, None),  # busy and pinned never chosen: wait
+    ([LOADING, A], 150, 100, ("a",)),  # a loading resident is not evictable
+])
+def test_lru_by_bytes(residents: list[ResidentView], need: int, free: int,
+                      expected: tuple[str, ...] | None) -> None:
+    assert lru_by_bytes(residents, need * MIB, free * MIB) == expected
 
 
 # ------------------------------------------------------------------------- plan_admission
@@ -194,6 +210,18 @@ def test_plan_admission_verdicts(
     assert answer.device == target.device
     assert answer.need_bytes == target.bytes
     assert answer.capacity_bytes == capacity_mib * MIB
+
+
+def test_plan_admission_uses_the_policy() -> None:
+    def newest_first(residents: Sequence[ResidentView], need_bytes: int,
+                     free_bytes: int) -> tuple[str, ...] | None:
+        return choose_victims(residents, need_bytes, free_bytes, order=lambda r: (-r.last_used,))
+
+    answer = plan_admission(cold("t", 50), [A, B], 250 * MIB, policy=newest_first)
+    assert answer.verdict is Verdict.FITS_AFTER_EVICTION
+    assert answer.victims == ("b",)  # least recently used first would name "a"
+    assert "victim policy" in answer.reason
+    assert plan_admission(cold("t", 50), [A, B], 250 * MIB).victims == ("a",)
 
 
 @pytest.mark.parametrize(

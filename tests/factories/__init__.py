@@ -37,6 +37,7 @@ from tests.factories.scheduler import (
     resident,
     run,
     use,
+    victim_rows,
 )
 from tests.factories.servers import (
     Running,
@@ -92,5 +93,6 @@ __all__ = [
     "serve",
     "serve_process",
     "use",
+    "victim_rows",
     "write_config",
 ]

@@ -310,3 +310,13 @@ def resident(
 def cold(key: str, mib: int, *, models: Sequence[str] = ()) -> ResidentView:
     """A target that is not loaded yet."""
     return resident(key, mib, state=State.COLD, models=models)
+
+
+def victim_rows() -> tuple[ResidentView, ...]:
+    """The residents of one device the victim-policy tables start from: `a`, `b` and `c` idle
+    (100, 200 and 300 MiB, least to most recently used), then three no policy may name: `busy`
+    (a request in flight), `pin` (pinned) and `loading`."""
+    return (resident("a", 100, last_used=1), resident("b", 200, last_used=2),
+            resident("c", 300, last_used=3), resident("busy", 400, last_used=0, in_flight=1),
+            resident("pin", 400, last_used=0, pinned=True),
+            resident("loading", 50, last_used=0, state=State.LOADING))

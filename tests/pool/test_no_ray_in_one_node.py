@@ -10,7 +10,7 @@ _CHECK = """
 import pkgutil, importlib, sys
 import packserve
 ray_parts = {"packserve.pool.app", "packserve.pool.node", "packserve.pool.router",
-             "packserve.pool.entry", "packserve.pool.run", "packserve.bench.pool"}
+             "packserve.pool.entry", "packserve.pool.run"}
 for mod in pkgutil.walk_packages(packserve.__path__, "packserve."):
     if mod.name not in ray_parts:
         importlib.import_module(mod.name)

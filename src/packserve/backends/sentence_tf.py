@@ -151,7 +151,7 @@ class _TorchBackend(Backend):
         # One tokenizer per load, shared by every name that uses it (an embedder and a
         # reranker), and it keeps its padding setting as shared state: a call that tokenizes
         # without padding while another thread encodes with it makes that batch fail
-        # (huggingface/transformers#47085; `packserve bench soak` found it as rerank 500s).
+        # (huggingface/transformers#47085; `python -m benchmarks soak` found it as rerank 500s).
         # Whatever tokenizes is serialised under this lock (on a GPU, and for a cross-encoder,
         # the whole call); a bi-encoder on a CPU then runs the forward passes of several calls
         # at once (`_encode`).
@@ -194,7 +194,7 @@ class _TorchBackend(Backend):
         see `_torch_threads`), the shards at once; several calls may compute at once
         (`embed_passes`), and then each takes fewer shards, so that every core runs one. A
         small model gains more from that than from torch's own threads in one pass, whose
-        workers wait for each other at every operator (`scripts/compare_embeddings.py`;
+        workers wait for each other at every operator (`benchmarks/compare_embeddings.py`;
         docs/tuning.md, "Embedding passes on one thread each"). The shards are cut from
         the texts sorted by length, as `encode` sorts its batches, and tokenized under the
         lock: the tokenizer's padding setting is shared state (see __post_init__). Only the

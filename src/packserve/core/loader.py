@@ -141,7 +141,7 @@ class Loader:
         # One device lock admits one load or unload at a time, so a worker per device
         # suffices: 32 reranks in flight must not starve an unload holding a device lock.
         # They run at `nice` (nice is per thread on Linux): resident models keep serving while
-        # weights are read; `packserve bench coldstart` measures what it costs a load.
+        # weights are read; `python -m benchmarks coldstart` measures what it costs a load.
         self._executor = ThreadPoolExecutor(max_workers=max(2, devices),
                                             thread_name_prefix="packserve-load",
                                             initializer=functools.partial(_be_nice, nice))

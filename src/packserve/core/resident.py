@@ -5,7 +5,7 @@ The record is split by lifetime: what the resident is (`Resident`), the warm cop
 may keep while its weights are away (`WarmCopy`), and the load in flight (`LoadInFlight`).
 
 `state` is read-only: every change goes through `move`, which checks `TRANSITIONS` and raises
-IllegalTransition for a move the table does not have. The simulator (`bench/simulator.py`)
+IllegalTransition for a move the table does not have. The simulator (`benchmarks/simulator.py`)
 moves its residents along the same table. `docs/scheduling.md` draws it.
 """
 

@@ -3,21 +3,22 @@ socket, connections kept alive in a `WorkerConnections` per worker, responses pa
 httptools (uvicorn's own parser).
 
 Why not httpx: relaying a small request through httpx's AsyncClient cost the front several
-times the CPU of this, on the same cores the worker's engines need (`packserve bench overhead`
-reports the front's CPU per request), and importing it cost the idle front 1.6 MiB (httpx,
-httpcore, h11, http.cookiejar). The front's own calls (health pings, the config reload,
+times the CPU of this, on the same cores the worker's engines need (`python -m benchmarks
+overhead` reports the front's CPU per request), and importing it cost the idle front 1.6 MiB
+(httpx, httpcore, h11, http.cookiejar). The front's own calls (health pings, the config reload,
 /metrics) go through `call`. The peer is always
 packserve's own worker (uvicorn), so this needs no redirects, cookies, proxies or content
 decoding: a request line, headers, a body, and a response read as it comes.
 
 Kept-alive connections: opening and closing a connection for each relayed request took 18% of
-the front's samples under 16 single-sentence clients (`packserve bench overhead --profile`,
-bench/results/history.md), and the worker paid for it too. A connection goes back to its pool only
-after a whole response was read; one whose client left mid-response is closed, so that the
-worker sees its client go. The pool drops a connection idle for `IDLE_S`, well before the
-worker's own keep-alive timeout (`packserve.worker.KEEP_ALIVE_S`), so the worker does not close
-a connection the front is about to use; should it happen anyway, `request` tries once more on a
-new connection (its docstring says why that sends nothing twice).
+the front's samples under 16 single-sentence clients (`python -m benchmarks overhead
+--profile`, benchmarks/results/history.md), and the worker paid for it too. A connection goes
+back to its pool only after a whole response was read; one whose client left mid-response is
+closed, so that the worker sees its client go. The pool drops a connection idle for `IDLE_S`,
+well before the worker's own keep-alive timeout (`packserve.worker.KEEP_ALIVE_S`), so the
+worker does not close a connection the front is about to use; should it happen anyway,
+`request` tries once more on a new connection (its docstring says why that sends nothing
+twice).
 
 Any failure of the connection, before or during the response, is an `UpstreamError`: the
 front then asks its supervisor whether the worker died (front.app).

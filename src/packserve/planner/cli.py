@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cost.add_argument("--price-per-hour", type=float, help="override the price per GPU-hour")
     cost.add_argument("--flat-monthly", type=float, help="override the flat monthly rent per GPU")
     cost.add_argument("--tokens-per-second", type=float,
-                      help="throughput, for the cost per million tokens (measure it with bench)")
+                      help="throughput, for the cost per million tokens (measure it: "
+                      "docs/benchmarks.md)")
     cost.add_argument("--purchase-price", type=float, help="price to buy the machine, for the "
                                                            "rent-versus-buy break-even")
     cost.add_argument("--hours-per-day", type=float, default=24.0,

@@ -1,0 +1,238 @@
+"""Measurements of llama-server runners that docs/engines.md quotes.
+
+    .venv/bin/python -m benchmarks.runner_checks drift    # greedy answers: together vs alone
+    .venv/bin/python -m benchmarks.runner_checks start    # where a runner's start goes
+    .venv/bin/python -m benchmarks.runner_checks embed    # MiniLM's runner: bytes, a rerank
+    .venv/bin/python -m benchmarks.runner_checks warm     # the warm tier: bytes, release, restore
+    .venv/bin/python -m benchmarks.runner_checks contention [NAME=VALUE ...]
+                                              # two busy runners on the same cores
+
+`drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
+tokens), then three times four at once; how many answers are identical, with the shared cache
+and with a cache per slot. `contention`: two runners of SmolLM2 (every core each), three chats
+of 128 tokens each, alone and both at once, in each environment given (a variable set for the
+runners: `OMP_WAIT_POLICY=passive`, `GOMP_SPINCOUNT=10000`; `threads=1`, the runners' thread
+count, every core by default; `turns`, each chat held as the server holds a request, so that the
+runners take turns (backends.llama_server.Turns); an empty argument, nothing set; default:
+nothing set, OMP_WAIT_POLICY=passive, then turns). Prints what it measured; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from packserve import backends
+from packserve.backends.llama_server import LlamaServerBackend
+from packserve.config import ModelSpec, load_config
+from packserve.core.backend import GenerationParams, Message
+from packserve.sources import resolve_source
+
+PROMPTS = ["Count from 2 to 7.", "Name three colours.", "What is the capital of France?",
+           "Write a haiku about rain.", "Explain gravity in one sentence.", "List four fruits.",
+           "Say hello in Spanish.", "What is 12 times 3?"]
+
+
+def catalog_weights(name: str, folder: Path) -> tuple[ModelSpec, Path]:
+    """A default-catalog entry and the file its engine serves (MiniLM converted to GGUF)."""
+    spec = next(m for m in load_config(None).models if m.name == name)
+    path = resolve_source(spec.source, base_dir=folder, models_dir=folder / "models",
+                          roots=None)
+    convert = backends.get(spec.backend).convert
+    return spec, convert(path, folder / "models", None) if convert is not None else path
+
+
+def runner(per_slot: bool = False, parallel: int = 4, threads: int = 0) -> LlamaServerBackend:
+    spec = next(m for m in load_config(None).models if m.name == "smollm2-135m-instruct")
+    folder = Path(tempfile.mkdtemp())
+    path = resolve_source(spec.source, base_dir=folder, models_dir=folder, roots=None)
+    engine = backends.get("llama-server")
+    backend = engine.build(engine.load_spec(path, "cpu", 2048, 64, {}, threads=threads,
+                                            parallel=parallel, cache_per_slot=per_slot))
+    assert isinstance(backend, LlamaServerBackend)
+    backend.load()
+    return backend
+
+
+def drift() -> None:
+    greedy = GenerationParams(max_tokens=48, temperature=0.0)
+    chats = [[Message(role="user", content=p)] for p in PROMPTS]
+    for per_slot in (False, True):
+        backend = runner(per_slot)
+        try:
+            def answer(chat: list[Message], b: LlamaServerBackend = backend) -> str:
+                return b.chat(chat, greedy).text
+
+            alone = [answer(c) for c in chats]
+            same = total = 0
+            for _ in range(3):
+                with ThreadPoolExecutor(4) as pool:
+                    together = list(pool.map(answer, chats))
+                same += sum(a == t for a, t in zip(alone, together, strict=True))
+                total += len(chats)
+            cache = "a cache per slot" if per_slot else "one shared cache"
+            print(f"{cache}: {same}/{total} answers identical to the lone answer; "
+                  f"PSS {backend.weight_bytes() / 2**20:.0f} MiB")
+        finally:
+            backend.unload()
+
+
+def contention() -> None:
+    chat = [Message(role="user", content="Write a long story about a dragon.")]
+    params = GenerationParams(max_tokens=128, temperature=0.0)
+
+    def rate(backend: LlamaServerBackend, out: list[float], turns: bool) -> None:
+        t0, tokens = time.perf_counter(), 0
+        for _ in range(3):
+            # each chat as the server would hold it: due in 4 s (chat's SLO) when turns are on
+            with backend.working(time.monotonic() + 4.0, 4.0) if turns \
+                    else contextlib.nullcontext():
+                tokens += backend.chat(chat, params).completion_tokens
+        out.append(tokens / (time.perf_counter() - t0))
+
+    settings = sys.argv[2:] or ["", "OMP_WAIT_POLICY=passive", "turns"]
+    for setting in settings:
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+            os.environ.pop(name, None)
+        cores = 0
+        name, _, value = setting.partition("=")
+        turns = setting == "turns"
+        if name == "threads" or turns:
+            cores = int(value or 0)
+        elif setting:
+            os.environ[name] = value
+        pair = [runner(parallel=1, threads=cores), runner(parallel=1, threads=cores)]
+        try:
+            alone: list[float] = []
+            rate(pair[0], alone, turns)
+            both: list[float] = []
+            threads = [threading.Thread(target=rate, args=(b, both, turns)) for b in pair]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            print(f"{setting or '(llama.cpp default)'}: alone {alone[0]:.0f} "
+                  f"tokens/s; two at once {' + '.join(f'{r:.0f}' for r in both)} tokens/s")
+        finally:
+            for b in pair:
+                b.unload()
+
+
+def start() -> None:
+    """Where a runner's start goes, per default-catalog GGUF: seconds from spawn to /health
+    200 (what a switch waits for), with llama-server's trial load that fits the context to
+    free memory (`--fit on`, its default) and without (packserve's), and seconds from SIGTERM
+    to exit; the median of three each."""
+    import statistics
+    import subprocess
+
+    from packserve.backends.llama_server import _UnixHTTP, binary
+
+    folder = Path(tempfile.mkdtemp())
+    for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
+        spec, path = catalog_weights(name, folder)
+        mode = ["--embeddings", "--ctx-size", "1024"] if "embed" in spec.backend else \
+            ["--ctx-size", "2048", "--kv-unified", "--jinja", "--cache-ram", "0"]
+        for fit in ("on", "off"):
+            ready, exits = [], []
+            for _ in range(3):
+                sock = folder / "runner.sock"
+                sock.unlink(missing_ok=True)
+                t0 = time.perf_counter()
+                proc = subprocess.Popen(
+                    [str(binary()), "--model", str(path), "--host", str(sock), "--parallel",
+                     "4", "--no-webui", "--no-slots", "--offline", "--fit", fit,
+                     "--log-verbosity", "2", *mode], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL)
+                while True:
+                    with contextlib.suppress(OSError):
+                        conn = _UnixHTTP(str(sock), timeout=5)
+                        conn.request("GET", "/health")
+                        if conn.getresponse().status == 200:
+                            break
+                    time.sleep(0.005)
+                ready.append(time.perf_counter() - t0)
+                t1 = time.perf_counter()
+                proc.terminate()
+                proc.wait()
+                exits.append(time.perf_counter() - t1)
+            print(f"{name}: --fit {fit}: ready in {statistics.median(ready):.3f} s, exits in "
+                  f"{statistics.median(exits):.3f} s")
+
+
+def embed() -> None:
+    """MiniLM's embedding runner: resident MiB after its load and after long inputs (its
+    compute buffers, touched by requests), and the median time of a rerank of 16 documents."""
+    import statistics
+
+    from packserve.replay import sentences
+
+    folder = Path(tempfile.mkdtemp())
+    spec, path = catalog_weights("all-minilm-l6-v2", folder)
+    engine = backends.get(spec.backend)
+    backend = engine.build(engine.load_spec(path, "cpu", 256, 64, {}))
+    backend.load()
+    try:
+        loaded = backend.weight_bytes()
+        docs = sentences(16, words=40, seed=3)
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            backend.rerank("what is it", docs)
+            times.append(time.perf_counter() - t0)
+        backend.embed(["word " * 250] * 8)
+        print(f"after load {loaded / 2**20:.0f} MiB; after long inputs "
+              f"{backend.weight_bytes() / 2**20:.0f} MiB; rerank of 16 documents "
+              f"{statistics.median(times) * 1000:.0f} ms")
+    finally:
+        backend.unload()
+
+
+def warm() -> None:
+    """The runners' warm tier, per default-catalog GGUF: resident MiB hot (after an answer) and
+    warm, seconds to release and to restore the weights' pages, and to start a runner anew
+    (spawn to serving, as a cold load does); the median of three each."""
+    import statistics
+
+    from packserve.backends.llama_server import _RunnerProcess
+
+    folder = Path(tempfile.mkdtemp())
+    for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
+        spec, path = catalog_weights(name, folder)
+        engine = backends.get(spec.backend)
+        starts, releases, restores, hot, warm_bytes = [], [], [], [], []
+        for _ in range(3):
+            backend = engine.build(engine.load_spec(path, "cpu", spec.context_length or 2048,
+                                                    64, {}))
+            assert isinstance(backend, _RunnerProcess)
+            t0 = time.perf_counter()
+            backend.load()
+            starts.append(time.perf_counter() - t0)
+            if "embed" in spec.backend:
+                backend.embed(["a sentence to embed"])
+            else:
+                backend.complete("Once upon a time", GenerationParams(max_tokens=4))
+            hot.append(backend.weight_bytes())
+            t0 = time.perf_counter()
+            assert backend.release_weights()
+            releases.append(time.perf_counter() - t0)
+            warm_bytes.append(backend.weight_bytes())
+            t0 = time.perf_counter()
+            backend.restore_weights()
+            restores.append(time.perf_counter() - t0)
+            backend.unload()
+        med = statistics.median
+        print(f"{name}: hot {med(hot) / 2**20:.0f} MiB, warm {med(warm_bytes) / 2**20:.0f} MiB; "
+              f"release {med(releases) * 1000:.1f} ms, restore {med(restores) * 1000:.1f} ms, "
+              f"a new runner {med(starts) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    {"drift": drift, "contention": contention, "start": start, "embed": embed,
+     "warm": warm}[sys.argv[1]]()
