@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
 
 _T = TypeVar("_T")
-INSTALL = "not installed: see docs/benchmarks.md, 'Installing the peers'"
+INSTALL = "not installed: see docs/peers.md"
 ROUTER = "llama-server router"
 SIDES = ("packserve", "router")
 # (key, label, unit, higher is better)
