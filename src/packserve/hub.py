@@ -325,6 +325,8 @@ class Hub:
                           endpoint=self.access.endpoint)
 
     def _headers(self) -> dict[str, str]:
+        # Not in huggingface_hub's public API (checked against 2.4.0, the pinned version): the
+        # headers its own downloads send (user agent, token).
         from huggingface_hub.utils._headers import build_hf_headers
 
         headers = build_hf_headers(token=self.access.token or False)
