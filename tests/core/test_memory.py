@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from packserve.core.memory import NVIDIA_DRIVER_PATHS, cuda_available, mapped_file_bytes
+from packserve.core.memory import NVIDIA_DRIVER_PATHS, mapped_file_bytes, nvidia_driver
 
 NO_DRIVER = not any(Path(p).exists() for p in NVIDIA_DRIVER_PATHS)
 
 
 def test_no_driver_means_no_cuda(tmp_path: Path) -> None:
-    assert cuda_available((str(tmp_path / "nvidiactl"),)) is False
+    assert nvidia_driver((str(tmp_path / "nvidiactl"),)) is False
 
 
 @pytest.mark.skipif(not NO_DRIVER, reason="this host has NVIDIA's driver")

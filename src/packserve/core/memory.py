@@ -142,21 +142,15 @@ def file_mappings(path: Path, maps: str = "/proc/self/maps") -> frozenset[tuple[
 
 
 # Where NVIDIA's driver shows itself, in a container as on a host. Without it there is no CUDA
-# device, and asking torch would cost an import of over a second and ~150 MiB held for the life
-# of the process (a llama.cpp-only server on CPU would carry torch for nothing).
+# device, and no engine is asked whether it could use one (asking torch would cost an import of
+# over a second and ~150 MiB held for the life of the process).
 NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 
 
-def cuda_available(driver_paths: tuple[str, ...] = NVIDIA_DRIVER_PATHS) -> bool:
-    """Whether a CUDA device can be used: NVIDIA's driver is there and torch's build sees a
-    device. torch is imported only when the driver is there."""
-    if not any(os.path.exists(p) for p in driver_paths):
-        return False
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+def nvidia_driver(driver_paths: tuple[str, ...] = NVIDIA_DRIVER_PATHS) -> bool:
+    """Whether NVIDIA's driver is there: the first question before `device = "auto"` asks an
+    engine whether its build can use a CUDA device (`Engine.cuda`). Imports nothing."""
+    return any(os.path.exists(p) for p in driver_paths)
 
 
 def _index(device: str) -> int:
