@@ -65,6 +65,7 @@ from packserve.core.backend import (
 from packserve.core.compute import usable_cores
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
+from packserve.core.memory import GpuMemory, Nvml, process_device_bytes
 from packserve.errors import ConfigError, EngineCrashed, InputTooLong, InvalidRequest
 from packserve.modelfiles import ModelFacts
 from packserve.planner.sizing import Breakdown, llama_encoder_breakdown
@@ -290,6 +291,13 @@ def runner_cuda(device: str = "cuda:0") -> str | None:
     return f"{exe} lists {', '.join(devices)}, not {want}"
 
 
+def runner_device_bytes(pid: int, device: str, gpu: Callable[[], GpuMemory] = Nvml) -> int:
+    """What runner `pid` holds on `device` by NVML's per-process figure; where NVML gives none,
+    0: the loader then counts the device's used-memory growth over the load instead (its
+    fallback, reported as `device_total`)."""
+    return process_device_bytes(gpu(), int(device.partition(":")[2] or 0), pid) or 0
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -491,6 +499,8 @@ class _RunnerProcess(Backend):
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return 0
+        if self.spec.device != "cpu":  # what the runner's pid holds on the card, by NVML
+            return runner_device_bytes(proc.pid, self.spec.device)
         try:
             for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Rss:"):
