@@ -5,6 +5,12 @@
 #                           Serve for `packserve pool`, the test, lint and bench tools, and the
 #                           clients the tests point at packserve (guidellm, aiperf, litellm,
 #                           instructor, llama-index) in .venv-clients
+#   scripts/setup.sh --plan [--dev]  say which build it would make (CPU or CUDA) and why, with
+#                           the flags and cache folders, then exit: nothing is installed
+# The build fits the machine (scripts/detect-device.sh): CUDA when an NVIDIA driver answers
+# (nvidia-smi) or PACKSERVE_DEVICE=cuda, the CPU build otherwise or with PACKSERVE_DEVICE=cpu;
+# PACKSERVE_CUDA_ARCH overrides the compute capability compiled for. A CPU build downloads no
+# CUDA library. docs/gpu.md says what each machine gets.
 # Safe to run again: it does nothing when the requirements files, pyproject.toml,
 # scripts/patches/ and this script are unchanged (a --dev setup also serves); a .venv set up by
 # an older version of this script is brought up to date.
@@ -12,29 +18,51 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=serve
-case "${1:-}" in
-  --dev) mode=dev ;;
-  "") ;;
-  *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
-esac
+plan=false
+for arg in "$@"; do
+  case "$arg" in
+    --dev) mode=dev ;;
+    --plan) plan=true ;;
+    *) echo "usage: scripts/setup.sh [--dev] [--plan]" >&2; exit 2 ;;
+  esac
+done
 PYTHON=${PYTHON:-python3}
-stamp=.venv/.packserve-setup
-want=$(cat requirements.txt requirements-dev.txt requirements-pool.txt requirements-clients.txt pyproject.toml scripts/setup.sh scripts/patches/* | sha256sum | cut -d' ' -f1)
-have=$(cat "$stamp" 2>/dev/null || true)
-if { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
-    && [ -f .venv/.llama-cpp-patches ] && [ -x .venv/bin/llama-server ]; then
-  exit 0
+fail() { echo "packserve setup: $*" >&2; exit 1; }
+
+# shellcheck source=scripts/detect-device.sh
+. scripts/detect-device.sh
+packserve_detect_device || fail "$device_reason"
+echo "packserve setup: $device_build build: $device_reason" >&2
+nvcc=""
+if [ "$device_build" = cuda ]; then
+  [ -n "$cuda_arch" ] || fail "the CUDA build needs the card's architecture and nvidia-smi did" \
+    "not give it: set PACKSERVE_CUDA_ARCH (e.g. 90 for an H100/H200, 89 for an L4, 80 for an" \
+    "A100), or PACKSERVE_DEVICE=cpu for the CPU build"
+  [[ $cuda_arch =~ ^[0-9]+[a-z]?$ ]] || fail "PACKSERVE_CUDA_ARCH=$cuda_arch: expected a number" \
+    "such as 90 (compute capability 9.0)"
+  nvcc=$(packserve_find_nvcc) || fail "the CUDA build of llama.cpp needs the CUDA toolkit's" \
+    "nvcc, found neither on PATH nor in ${PACKSERVE_CUDA_HOME:-/usr/local/cuda}/bin: install" \
+    "the CUDA toolkit (13.0; docs/gpu.md), or set PACKSERVE_DEVICE=cpu for the CPU build"
+fi
+# torch, for --dev (the sentence-transformers engines), pinned with its build's label: on a CPU
+# box the CPU build (from a local wheel folder where pip's config names one, as on the build
+# machines, else PyTorch's CPU index: never PyPI's Linux wheel, which is the CUDA build with
+# several GB of NVIDIA libraries); on a GPU box the CUDA 13.0 build from PyTorch's index.
+torch_version=2.13.0
+if [ "$device_build" = cuda ]; then
+  torch_pin=$torch_version+cu130
+  torch_index=${PACKSERVE_TORCH_INDEX:-https://download.pytorch.org/whl/cu130}
+else
+  torch_pin=$torch_version+cpu
+  torch_index=${PACKSERVE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 fi
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
-
-if [ "$mode" = dev ]; then
-  # torch first, pinned, so that sentence-transformers does not pull another build. On the
-  # build machine it is a CPU wheel from a local folder; from PyPI on Linux it is the CUDA
-  # build (docs/engines.md says how to get the CPU one on a CPU box).
-  echo "packserve setup: torch==2.13.0, for the sentence-transformers engines (--dev)" >&2
-  pip install -q torch==2.13.0
+stamp=.venv/.packserve-setup
+want=$( (cat requirements.txt requirements-dev.txt requirements-pool.txt requirements-clients.txt pyproject.toml scripts/setup.sh scripts/detect-device.sh scripts/patches/*; echo "$device_build $cuda_arch") | sha256sum | cut -d' ' -f1)
+have=$(cat "$stamp" 2>/dev/null || true)
+if ! $plan && { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
+    && [ -f .venv/.llama-cpp-patches ] && [ -x .venv/bin/llama-server ]; then
+  exit 0
 fi
 
 # llama.cpp, built for every x86-64 server this project runs on, not for this one CPU.
@@ -49,6 +77,10 @@ llama_flags+=" -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML
 llama_flags+=" -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF"
 llama_flags+=" -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 llama_flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
+# On a GPU box, CUDA for the one architecture of the card (or PACKSERVE_CUDA_ARCH): the flags
+# are in the cache keys below, so a CUDA build and a CPU build, or two architectures, never
+# share a cached wheel or server.
+[ "$device_build" = cpu ] || llama_flags+=" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$cuda_arch"
 # The source gets the patches in scripts/patches/ first (each says why; docs/reliability.md lists
 # them), and the build fails if one no longer applies.
 patches=(scripts/patches/llama-cpp-python-*.patch)
@@ -57,9 +89,53 @@ server_patches=(scripts/patches/llama-server-*.patch)
 # pip's wheel cache does not key on CMAKE_ARGS, so the wheel is built with pip's cache off and
 # kept here, keyed by everything that changes what is built: a clean clone on this machine reuses
 # it, a change of flags, patches or version builds anew.
-py_tag=$(.venv/bin/python -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
+py_python=.venv/bin/python
+[ -x "$py_python" ] || py_python=$PYTHON
+py_tag=$("$py_python" -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
 llama_key=$( (printf '%s\n' "$llama_version" "$llama_flags" "$py_tag"; cat "${patches[@]}") | sha256sum | cut -c1-16)
 wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
+server_flags="$llama_flags -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON"
+server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
+server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}" "${server_patches[@]}") | sha256sum | cut -c1-16)
+server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
+if $plan; then
+  echo "build: $device_build"
+  echo "reason: $device_reason"
+  if [ "$device_build" = cuda ]; then
+    echo "cuda_arch: $cuda_arch"
+    echo "nvcc: $nvcc"
+  fi
+  if [ "$device_build" = cuda ]; then
+    echo "torch (--dev): torch==$torch_pin from $torch_index"
+  else
+    echo "torch (--dev): torch==$torch_pin from a local wheel folder where pip's config names one, else $torch_index"
+  fi
+  echo "llama-cpp-python: CMAKE_ARGS=$llama_flags"
+  echo "llama-cpp-python cache: $wheel_dir"
+  echo "llama-server: $server_flags"
+  echo "llama-server cache: $server_dir"
+  exit 0
+fi
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
+# nvcc for CMake's CUDA language, where it is not on PATH
+[ -z "$nvcc" ] || export CUDACXX=$nvcc
+
+if [ "$mode" = dev ]; then
+  # torch first, pinned, so that sentence-transformers does not pull another build.
+  have_torch=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true)
+  if [ "$have_torch" != "$torch_pin" ]; then
+    echo "packserve setup: torch==$torch_pin, for the sentence-transformers engines (--dev)" >&2
+    if [ "$device_build" = cpu ] && pip install -q --no-index --no-deps "torch==$torch_pin" 2>/dev/null; then
+      pip install -q "torch==$torch_pin"  # its dependencies; torch itself came from the folder
+    else
+      pip install -q "torch==$torch_pin" --index-url "$torch_index"
+    fi
+  fi
+fi
+
 # The patched source, unpacked once when the wheel or the server below must be built.
 source_dir=""
 llama_source() {
@@ -98,11 +174,6 @@ fi
 # llama.cpp's own server, from the same patched source and flags: the runner process of the
 # llama-server engine (one per loaded GGUF model; docs/engines.md). llama.cpp linked in, so it needs
 # nothing from the wheel; no web UI, no TLS, nothing downloaded at build or run time.
-server_flags="$llama_flags -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON"
-server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
-server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
-server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}" "${server_patches[@]}") | sha256sum | cut -c1-16)
-server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
 if [ ! -x "$server_dir/llama-server" ]; then
   echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; 6-12 min) into $server_dir" >&2
   llama_source

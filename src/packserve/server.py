@@ -17,7 +17,7 @@ from packserve.core.engine import Engine
 from packserve.core.events import EventSink, log_event
 from packserve.core.idle import IdleRule
 from packserve.core.loader import FootprintStore
-from packserve.core.memory import MemoryProbe, SystemProbe, cuda_available
+from packserve.core.memory import MemoryProbe, SystemProbe, nvidia_driver
 from packserve.core.policy import VictimPolicy, make_policy
 from packserve.core.scheduler import Scheduler
 from packserve.errors import ConfigError
@@ -33,10 +33,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("packserve.server")
 
 
-def resolve_device(requested: str) -> str:
+def resolve_device(requested: str, engine: Engine,
+                   driver: Callable[[], bool] = nvidia_driver) -> str:
+    """The device of an entry asking for `requested`: as written, or for "auto" the first CUDA
+    device where NVIDIA's `driver` is there and `engine`'s build can run there (`Engine.cuda`;
+    a llama.cpp built without CUDA keeps its models on the CPU while torch's go to the card),
+    else the CPU: never a device where the load must fail."""
     if requested != "auto":
         return requested
-    return "cuda:0" if cuda_available() else "cpu"
+    if not driver():
+        return "cpu"
+    why = engine.cuda()
+    if why is not None:
+        log.info("device auto: %s models go to the CPU: %s", engine.name, why)
+        return "cpu"
+    return "cuda:0"
+
+
+def as_written(requested: str, engine: Engine) -> str:
+    """The device as the config writes it, "auto" included (the planner and tests: sizing
+    must not depend on this host's GPU, nor import an engine to ask)."""
+    return requested
 
 
 @dataclass(frozen=True)
@@ -56,12 +73,11 @@ class Resolved:
                                 self.load.parallel if sequences is None else sequences)
 
 
-def resolve_models(config: Config, device: Callable[[str], str] = resolve_device,
+def resolve_models(config: Config, device: Callable[[str, Engine], str] = resolve_device,
                    announce: Announce = None) -> list[Resolved]:
     """Resolve every model's source through its engine, confined to the model roots (a source
     leading outside them is a ConfigError), and its device with `device` (the
-    planner keeps "auto" as it is: sizing hardware must not depend on this host's GPU, nor
-    import torch to ask). Raises ConfigError."""
+    planner keeps "auto" as it is: `as_written`). Raises ConfigError."""
     out = []
     base = Path(config.base_dir)
     models_dir = config.data_path / "models"
@@ -95,7 +111,7 @@ def resolve_models(config: Config, device: Callable[[str], str] = resolve_device
                 raise ConfigError(f"{where}.source: {engine.name} needs {problem}")
         else:
             path = Path(spec.source)
-        load = engine.load_spec(path, device(spec.device),
+        load = engine.load_spec(path, device(spec.device, engine),
                                 engine.context(spec.context_length, facts), spec.max_batch,
                                 {"trust_remote_code": spec.trust_remote_code,
                                  "allow_pickle": spec.allow_pickle}, spec.threads or 0,

@@ -9,13 +9,23 @@ from pathlib import Path
 
 import pytest
 
-from packserve.core.memory import NVIDIA_DRIVER_PATHS, cuda_available, mapped_file_bytes
+from packserve.backends.llama_server import runner_device_bytes
+from packserve.core.memory import (
+    DEVICE_TOTAL,
+    NVIDIA_DRIVER_PATHS,
+    PER_PROCESS,
+    RSS,
+    SystemProbe,
+    in_child_pid_namespace,
+    mapped_file_bytes,
+    nvidia_driver,
+)
 
 NO_DRIVER = not any(Path(p).exists() for p in NVIDIA_DRIVER_PATHS)
 
 
 def test_no_driver_means_no_cuda(tmp_path: Path) -> None:
-    assert cuda_available((str(tmp_path / "nvidiactl"),)) is False
+    assert nvidia_driver((str(tmp_path / "nvidiactl"),)) is False
 
 
 @pytest.mark.skipif(not NO_DRIVER, reason="this host has NVIDIA's driver")
@@ -97,3 +107,68 @@ def test_a_symlinked_weights_file_counts_as_its_target(tmp_path: Path) -> None:
                     + MAPS)
     assert mapped_file_bytes(snapshot, str(maps)) == 0x100000
     assert mapped_file_bytes(snapshot / "model.safetensors", str(maps)) == 0x100000
+
+
+class FakeNvml:
+    """NVML for one 80 GiB card: `procs` is its per-process list (None: NVML gives none)."""
+
+    def __init__(self, procs: dict[int, int | None] | None) -> None:
+        self.procs = procs
+        self.other = 0  # another tenant's bytes outside the per-process list (device total)
+
+    def memory(self, index: int) -> tuple[int, int]:
+        listed = sum(v or 0 for v in (self.procs or {}).values())
+        return 80 << 30, listed + self.other
+
+    def processes(self, index: int) -> list[tuple[int, int | None]] | None:
+        return None if self.procs is None else list(self.procs.items())
+
+
+def probe(nvml: FakeNvml, namespaced: bool = False) -> SystemProbe:
+    return SystemProbe(gpu=lambda: nvml, pid=100, namespaced=lambda: namespaced)
+
+
+def test_per_process_figures_count_this_process_only() -> None:
+    nvml = FakeNvml({100: 3 << 30, 200: 5 << 30})
+    p = probe(nvml)
+    assert p.total_bytes("cuda:0") == 80 << 30
+    assert (p.used_bytes("cuda:0"), p.accounting("cuda:0")) == (3 << 30, PER_PROCESS)
+    assert p.accounting("cpu") == RSS
+
+
+def test_another_tenant_allocating_during_a_load_is_not_charged_to_it() -> None:
+    nvml = FakeNvml({100: 1 << 30, 200: 5 << 30})
+    p = probe(nvml)
+    before = p.used_bytes("cuda:0")
+    nvml.procs = {100: 3 << 30, 200: 9 << 30}  # the load took 2 GiB; the tenant 4 GiB more
+    assert p.used_bytes("cuda:0") - before == 2 << 30
+
+
+def test_a_process_with_no_context_yet_holds_nothing() -> None:
+    assert probe(FakeNvml({200: 5 << 30})).used_bytes("cuda:0") == 0
+
+
+@pytest.mark.parametrize(("procs", "namespaced"), [
+    (None, False),                       # NVML gives no list (MIG)
+    ({100: None, 200: 5 << 30}, False),  # no figure per process (some drivers)
+    ({100: 1 << 30}, True),              # a container: NVML lists host pids
+])
+def test_without_per_process_figures_the_device_total_counts_and_says_so(
+        procs: dict[int, int | None] | None, namespaced: bool) -> None:
+    nvml = FakeNvml(procs)
+    nvml.other = 7 << 30
+    p = probe(nvml, namespaced)
+    assert p.accounting("cuda:0") == DEVICE_TOTAL
+    assert p.used_bytes("cuda:0") == nvml.memory(0)[1]
+
+
+def test_a_runners_bytes_are_its_pids() -> None:
+    nvml = FakeNvml({100: 1 << 30, 4242: 6 << 30})
+    assert runner_device_bytes(4242, "cuda:0", gpu=lambda: nvml) == 6 << 30
+    assert runner_device_bytes(4242, "cuda:0", gpu=lambda: FakeNvml(None)) == 0
+
+
+def test_the_namespace_is_read_from_nspid(tmp_path: Path) -> None:
+    for line, inside in (("NSpid:\t812\t7", True), ("NSpid:\t812", False)):
+        (tmp_path / "status").write_text(f"Name:\tx\n{line}\n")
+        assert in_child_pid_namespace(str(tmp_path / "status")) is inside

@@ -57,6 +57,9 @@ class FakeProbe:
     def mapped_file_bytes(self, device: str, path: Path) -> int:
         return 0
 
+    def accounting(self, device: str) -> str:
+        return "rss" if device == "cpu" else "per_process"
+
 
 class Clock:
     """A scheduler clock that moves only when the test says so."""

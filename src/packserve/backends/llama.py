@@ -95,12 +95,12 @@ class LlamaCppBackend(Backend):
         ENGINE.prepare()
 
     def load(self) -> None:
-        from llama_cpp import Llama, llama_supports_gpu_offload
+        from llama_cpp import Llama
 
         on_gpu = self.spec.device.startswith("cuda")
-        if on_gpu and not llama_supports_gpu_offload():
-            raise ConfigError(f"{self.name}: device {self.spec.device} asked, but "
-                              f"llama-cpp-python was built without GPU support")
+        why = _gpu_offload() if on_gpu else None
+        if why is not None:
+            raise ConfigError(f"{self.name}: device {self.spec.device} asked, but {why}")
         slots, per_slot = self.spec.parallel, self.spec.cache_per_slot
         threads = self.spec.threads or max(1, usable_cores() // 2)  # llama-cpp-python's default
         # A prompt is read on every core (llama-cpp-python's default; docs/tuning.md,
@@ -574,6 +574,18 @@ def sampling_extensions(params: GenerationParams) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def _gpu_offload() -> str | None:
+    """llama-cpp-python's build offloads to a GPU (a CUDA build: scripts/setup.sh on a GPU box)."""
+    try:
+        from llama_cpp import llama_supports_gpu_offload
+    except ImportError:
+        return "llama-cpp-python is not installed (scripts/setup.sh)"
+    if not llama_supports_gpu_offload():
+        return "llama-cpp-python was built without GPU support (scripts/setup.sh on this machine)"
+    return None
+
+
 # logit_bias (llama-cpp-python applies it through a Python logits processor per token),
 # ignore_eos and min_tokens are not honoured in the worker: the llama-server engine takes them.
 SAMPLING = frozenset({"top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -581,5 +593,5 @@ SAMPLING = frozenset({"top_k", "min_p", "repetition_penalty", "presence_penalty"
 ENGINE = Engine(name="llama-cpp", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
                 default_concurrency=1, build=LlamaCppBackend, size=_size, check_source=_gguf,
                 context=_context, library="llama_cpp", default_parallel=DEFAULT_PARALLEL,
-                sampling=SAMPLING)
+                sampling=SAMPLING, cuda=_gpu_offload)
 ENGINES = (ENGINE,)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import functools
 import http.client
 import json
 import logging
@@ -64,6 +65,7 @@ from packserve.core.backend import (
 from packserve.core.compute import usable_cores
 from packserve.core.engine import Engine
 from packserve.core.footprint import shape_of
+from packserve.core.memory import GpuMemory, Nvml, process_device_bytes
 from packserve.errors import ConfigError, EngineCrashed, InputTooLong, InvalidRequest
 from packserve.modelfiles import ModelFacts
 from packserve.planner.sizing import Breakdown, llama_encoder_breakdown
@@ -259,6 +261,43 @@ def binary() -> Path:
     return path
 
 
+@functools.cache
+def list_devices(exe: Path) -> tuple[str, ...]:
+    """The devices a llama-server build can offload to ("CUDA0", ...), from its own
+    `--list-devices` (17 ms for a CPU build: it prints "(none)"). The build's devices, not the
+    flags it was configured with: the same answer for a binary built elsewhere
+    (`PACKSERVE_LLAMA_SERVER`), and a CUDA build on a machine whose driver is gone lists none."""
+    try:
+        out = subprocess.run([str(exe), "--list-devices"], capture_output=True, text=True,
+                             timeout=30, check=False, stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(line.strip().partition(":")[0] for line in out.splitlines()
+                 if line.startswith("  ") and ":" in line)
+
+
+def runner_cuda(device: str = "cuda:0") -> str | None:
+    """Why the llama-server runner cannot run on `device`, or None when its build lists it."""
+    try:
+        exe = binary()
+    except ConfigError as exc:
+        return exc.message
+    devices = list_devices(exe)
+    want = "CUDA" + (device.partition(":")[2] or "0")
+    if want in devices:
+        return None
+    if not any(d.startswith("CUDA") for d in devices):
+        return f"{exe} was built without CUDA, or sees no card (its --list-devices names none)"
+    return f"{exe} lists {', '.join(devices)}, not {want}"
+
+
+def runner_device_bytes(pid: int, device: str, gpu: Callable[[], GpuMemory] = Nvml) -> int:
+    """What runner `pid` holds on `device` by NVML's per-process figure; where NVML gives none,
+    0: the loader then counts the device's used-memory growth over the load instead (its
+    fallback, reported as `device_total`)."""
+    return process_device_bytes(gpu(), int(device.partition(":")[2] or 0), pid) or 0
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -309,10 +348,18 @@ class _RunnerProcess(Backend):
     # -- lifecycle (the scheduler's) -----------------------------------------------------------
 
     def load(self) -> None:
-        if self.spec.device != "cpu":
-            raise ConfigError(f"{self.name}: device {self.spec.device} asked, but this "
-                              f"llama-server was built for the CPU only")
+        why = runner_cuda(self.spec.device) if self.spec.device != "cpu" else None
+        if why is not None:
+            raise ConfigError(f"{self.name}: device {self.spec.device} asked, but {why}")
         self._start()
+
+    def _device_args(self) -> list[str]:
+        """Where the weights go: every layer on the card, or none offloaded (a CUDA build's
+        default, `-ngl auto`, would put a CPU model's layers on the card)."""
+        if self.spec.device == "cpu":
+            return ["--device", "none"]
+        return ["--device", "CUDA" + (self.spec.device.partition(":")[2] or "0"),
+                "--n-gpu-layers", "all"]
 
     def _mode_args(self, slots: int) -> list[str]:
         """What this kind of runner adds to the command line (its context, its mode)."""
@@ -334,7 +381,7 @@ class _RunnerProcess(Backend):
                 # 0.95 s with it, 0.59 s without, docs/engines.md).
                 "--fit", "off",
                 # warnings and errors only: a line per request would grow the log without end
-                "--log-verbosity", "2", *self._mode_args(slots)]
+                "--log-verbosity", "2", *self._device_args(), *self._mode_args(slots)]
         log = open(self._dir / "runner.log", "wb")  # noqa: SIM115 (the child writes it)
         try:
             self._proc = _SPAWNER.submit(
@@ -452,6 +499,8 @@ class _RunnerProcess(Backend):
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return 0
+        if self.spec.device != "cpu":  # what the runner's pid holds on the card, by NVML
+            return runner_device_bytes(proc.pid, self.spec.device)
         try:
             for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
                 if line.startswith("Rss:"):
@@ -938,11 +987,12 @@ def _to_gguf(path: Path, models_dir: Path, announce: Callable[[str], None] | Non
 ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
                 default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=_size,
                 check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL,
-                sampling=frozenset({*EXTENSIONS, "continuous_usage_stats"}), token_ids=True)
+                sampling=frozenset({*EXTENSIONS, "continuous_usage_stats"}), token_ids=True,
+                cuda=runner_cuda)
 # Embeddings and bi-encoder rerank from a GGUF encoder (the default catalog's MiniLM, converted
 # from its safetensors folder): requests are batched (api/batching.py) into the runner's slots.
 EMBED_ENGINE = Engine(name="llama-server-embed", tasks=frozenset({Task.EMBED, Task.RERANK}),
                       default_concurrency=32, build=LlamaEmbedBackend, size=_embed_size,
                       check_source=_embed_source, context=_embed_context, convert=_to_gguf,
-                      default_parallel=DEFAULT_PARALLEL, token_ids=True)
+                      default_parallel=DEFAULT_PARALLEL, token_ids=True, cuda=runner_cuda)
 ENGINES = (ENGINE, EMBED_ENGINE)

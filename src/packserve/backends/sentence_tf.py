@@ -7,6 +7,7 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import logging
 import threading
@@ -532,15 +533,29 @@ def _directory(path: Path) -> str | None:
     return None if path.is_dir() else "a model directory"
 
 
+@functools.cache
+def _torch_cuda() -> str | None:
+    """torch's build sees a CUDA device (imports torch: only asked where NVIDIA's driver is)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed (scripts/setup.sh --dev)"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device" + (
+            "" if torch.version.cuda else " (a CPU build: scripts/setup.sh --dev on this machine)")
+    return None
+
+
 _TORCH_OPTIONS = frozenset({"trust_remote_code", "allow_pickle"})
 # The embedders batch concurrent requests (api/batching.py), so many may wait on one load.
 SENTENCE_TRANSFORMERS = Engine(
     name="sentence-transformers", tasks=frozenset({Task.EMBED, Task.RERANK}),
     default_concurrency=32, build=SentenceTransformerBackend, size=_size,
     check_source=_directory, load_options=_TORCH_OPTIONS, library="sentence_transformers",
-    environment=_ENVIRONMENT)
+    environment=_ENVIRONMENT, cuda=_torch_cuda)
 CROSS_ENCODER = Engine(
     name="cross-encoder", tasks=frozenset({Task.RERANK}), default_concurrency=32,
     build=CrossEncoderBackend, size=_size, check_source=_directory,
-    load_options=_TORCH_OPTIONS, library="sentence_transformers", environment=_ENVIRONMENT)
+    load_options=_TORCH_OPTIONS, library="sentence_transformers", environment=_ENVIRONMENT,
+    cuda=_torch_cuda)
 ENGINES = (SENTENCE_TRANSFORMERS, CROSS_ENCODER)

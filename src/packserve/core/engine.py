@@ -30,6 +30,11 @@ def any_source(path: Path) -> str | None:
     return None
 
 
+def cpu_only() -> str | None:
+    """Engines that run on the CPU only (the fake engine)."""
+    return "it runs on the CPU only"
+
+
 def no_context(requested: int | None, facts: ModelFacts | None) -> int:
     """Engines without a KV cache: the entry's `context_length`, else 0 (the model's own)."""
     return requested or 0
@@ -63,6 +68,11 @@ class Engine:
       engine honours; a request that sets another is refused with a 400 naming it, before any
       load. `token_ids`: it takes inputs given as token ids of the model's own vocabulary
       (embeddings' `input`, completions' `prompt`).
+    - `cuda` says why this engine, as installed here, cannot run a model on a CUDA device, or
+      None when it can (its build has GPU support and sees a device). Called at start, only
+      where NVIDIA's driver is there, to resolve `device = "auto"`: a model goes to the GPU only
+      where its load can succeed there. It may import the engine's library (what a load would
+      do anyway) and should cache its answer.
     """
 
     name: str
@@ -80,6 +90,7 @@ class Engine:
     convert: Callable[[Path, Path, Callable[[str], None] | None], Path] | None = None
     sampling: frozenset[str] = frozenset()
     token_ids: bool = False
+    cuda: Callable[[], str | None] = cpu_only
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS

@@ -2,8 +2,12 @@
 
 The scheduler receives a `MemoryProbe` in its constructor; tests pass a fake.
 On `cpu` the figure is this process's resident set (RSS), so the budget governs the RAM that
-model weights and caches take. On `cuda:N` it is the device's used memory (NVML's view, through
-torch), which counts llama.cpp's allocations as well as torch's.
+model weights and caches take. On `cuda:N` it comes from NVML (nvidia-ml-py; torch is never
+imported to probe a device): what this process holds on the device, NVML's per-process figure,
+which counts llama.cpp's allocations as well as torch's and not another tenant's. Where NVML
+gives no per-process figure (MIG, a container's PID namespace, where NVML lists host pids, some
+sandboxes) the fallback is the device's used memory, so another process allocating during a load
+is charged to it: `accounting()` says which, and /v1/residency shows it per device.
 """
 
 from __future__ import annotations
@@ -12,10 +16,16 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
+
+# How a device's bytes are counted (`MemoryProbe.accounting`): this process's resident set, NVML's
+# figure for this process, or the device's used memory (the fallback).
+RSS, PER_PROCESS, DEVICE_TOTAL = "rss", "per_process", "device_total"
 
 
 class MemoryProbe(Protocol):
@@ -37,6 +47,11 @@ class MemoryProbe(Protocol):
         the process, so later releases need not go over it again."""
         ...
 
+    def accounting(self, device: str) -> str:
+        """How `used_bytes` counts on `device`: RSS, PER_PROCESS or DEVICE_TOTAL. Read for the
+        residency view."""
+        ...
+
     def mapped_file_bytes(self, device: str, path: Path) -> int:
         """Bytes of the files at or under `path` (a model's weights) mapped into this process,
         resident or not. Called before and after a model gives its weights back (the warm
@@ -46,36 +61,109 @@ class MemoryProbe(Protocol):
         ...
 
 
-class SystemProbe:
-    """The real probe: /proc on CPU, torch.cuda on GPUs."""
+class GpuMemory(Protocol):
+    """The slice of NVML the probe reads; `Nvml` is the real one, tests pass a fake."""
+
+    def memory(self, index: int) -> tuple[int, int]:
+        """(total, used) bytes of device `index`."""
+        ...
+
+    def processes(self, index: int) -> list[tuple[int, int | None]] | None:
+        """(pid, bytes) of each process on device `index` (bytes None where NVML does not say),
+        or None where NVML gives no per-process list (MIG, some drivers)."""
+        ...
+
+
+class Nvml:
+    """NVML through nvidia-ml-py (`pynvml`), opened on first use."""
 
     def __init__(self) -> None:
+        self._nv = importlib.import_module("pynvml")  # untyped: read through its module
+        self._nv.nvmlInit()
+
+    def memory(self, index: int) -> tuple[int, int]:
+        info = self._nv.nvmlDeviceGetMemoryInfo(self._nv.nvmlDeviceGetHandleByIndex(index))
+        return int(info.total), int(info.used)
+
+    def processes(self, index: int) -> list[tuple[int, int | None]] | None:
+        handle = self._nv.nvmlDeviceGetHandleByIndex(index)
+        try:
+            procs = self._nv.nvmlDeviceGetComputeRunningProcesses(handle)
+        except self._nv.NVMLError:
+            return None
+        return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
+                for p in procs]
+
+
+def in_child_pid_namespace(status: str = "/proc/self/status") -> bool:
+    """Whether this process runs in a PID namespace below the host's (a container): NVML lists
+    host pids there, so this process's own pid is not in its list."""
+    try:
+        with open(status, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return len(line.split()) > 2
+    except OSError:
+        pass
+    return False
+
+
+def process_device_bytes(gpu: GpuMemory, index: int, pid: int) -> int | None:
+    """What process `pid` holds on device `index` by NVML's per-process figure (0 when it is not
+    listed: no CUDA context there yet), or None when per-process figures are unavailable."""
+    procs = gpu.processes(index)
+    if procs is None or any(used is None for _, used in procs):
+        return None
+    return sum(used or 0 for p, used in procs if p == pid)
+
+
+class SystemProbe:
+    """The real probe: /proc on CPU, NVML on GPUs (`gpu`, opened on the first CUDA question;
+    `pid` is whose per-process figure counts, this process's; `namespaced` whether the PID
+    namespace hides it from NVML)."""
+
+    def __init__(self, gpu: Callable[[], GpuMemory] = Nvml, pid: int | None = None,
+                 namespaced: Callable[[], bool] = in_child_pid_namespace) -> None:
         libc_name = ctypes.util.find_library("c")
         self._libc = ctypes.CDLL(libc_name) if libc_name else None
         self._settled_modules = 0  # len(sys.modules) when the live objects were last frozen
+        self._open_gpu = gpu
+        self._gpu: GpuMemory | None = None
+        self._pid = os.getpid() if pid is None else pid
+        self._namespaced = namespaced
+
+    def gpu(self) -> GpuMemory:
+        if self._gpu is None:
+            self._gpu = self._open_gpu()
+        return self._gpu
 
     def total_bytes(self, device: str) -> int:
         if device.startswith("cuda"):
-            import torch
-
-            return int(torch.cuda.get_device_properties(_index(device)).total_memory)
+            return self.gpu().memory(_index(device))[0]
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def _own_bytes(self, device: str) -> int | None:
+        if self._namespaced():
+            return None
+        return process_device_bytes(self.gpu(), _index(device), self._pid)
+
+    def accounting(self, device: str) -> str:
+        if not device.startswith("cuda"):
+            return RSS
+        return DEVICE_TOTAL if self._own_bytes(device) is None else PER_PROCESS
 
     def used_bytes(self, device: str) -> int:
         if device.startswith("cuda"):
-            import torch
-
-            free, total = torch.cuda.mem_get_info(_index(device))
-            return int(total - free)
+            own = self._own_bytes(device)
+            return self.gpu().memory(_index(device))[1] if own is None else own
         with open("/proc/self/statm", encoding="ascii") as f:
             resident_pages = int(f.read().split()[1])
         return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
     def release(self, device: str) -> None:
         gc.collect()
-        if device.startswith("cuda"):
-            import torch
-
+        torch = sys.modules.get("torch")  # only where a torch engine imported it
+        if device.startswith("cuda") and torch is not None:
             torch.cuda.empty_cache()
         # glibc keeps freed heap pages; without this RSS would not fall after an unload and the
         # next load's measured delta would be too small.
@@ -142,21 +230,15 @@ def file_mappings(path: Path, maps: str = "/proc/self/maps") -> frozenset[tuple[
 
 
 # Where NVIDIA's driver shows itself, in a container as on a host. Without it there is no CUDA
-# device, and asking torch would cost an import of over a second and ~150 MiB held for the life
-# of the process (a llama.cpp-only server on CPU would carry torch for nothing).
+# device, and no engine is asked whether it could use one (asking torch would cost an import of
+# over a second and ~150 MiB held for the life of the process).
 NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
 
 
-def cuda_available(driver_paths: tuple[str, ...] = NVIDIA_DRIVER_PATHS) -> bool:
-    """Whether a CUDA device can be used: NVIDIA's driver is there and torch's build sees a
-    device. torch is imported only when the driver is there."""
-    if not any(os.path.exists(p) for p in driver_paths):
-        return False
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+def nvidia_driver(driver_paths: tuple[str, ...] = NVIDIA_DRIVER_PATHS) -> bool:
+    """Whether NVIDIA's driver is there: the first question before `device = "auto"` asks an
+    engine whether its build can use a CUDA device (`Engine.cuda`). Imports nothing."""
+    return any(os.path.exists(p) for p in driver_paths)
 
 
 def _index(device: str) -> int:

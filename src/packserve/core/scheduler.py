@@ -671,7 +671,8 @@ class Scheduler:
         return self._residency.liveness(self._locks.held(), self._load_timeout_s)
 
     def devices(self) -> list[DeviceStatus]:
-        return self._residency.device_rows()
+        return [dataclasses.replace(d, accounting=self._loader.probe.accounting(d.name))
+                for d in self._residency.device_rows()]
 
     def models(self) -> list[ModelStatus]:
         return [dataclasses.replace(m, download=self._download_of(m.name))

@@ -47,6 +47,9 @@ class DeviceStatus:
     budget_bytes: int
     headroom_bytes: int
     used_bytes: int
+    # how the device's bytes are counted: "rss" (CPU), "per_process" (NVML's figure for the
+    # process holding them) or "device_total" (the device's used memory: the fallback)
+    accounting: str = "rss"
 
 
 @dataclass(frozen=True)

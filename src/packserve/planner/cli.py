@@ -104,12 +104,12 @@ def config_inputs(args: argparse.Namespace) -> Inputs:
     that share one load (`LoadSpec.key`, as the server counts them) count once."""
     from packserve.config import load_config
     from packserve.core.footprint import shape_of
-    from packserve.server import resolve_models
+    from packserve.server import as_written, resolve_models
 
     seen: dict[str, str] = {}
     models: list[Breakdown] = []
     notes: list[str] = []
-    for r in resolve_models(load_config(args.config), device=str):
+    for r in resolve_models(load_config(args.config), device=as_written):
         name, context = r.spec.name, args.context or r.load.context_length
         if r.facts is None:
             notes.append(f"{name}: {r.engine.name} engine reads no weight files, not sized")

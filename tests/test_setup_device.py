@@ -1,0 +1,125 @@
+"""scripts/setup.sh picks the build that fits the machine (scripts/detect-device.sh), read
+through `setup.sh --plan`, which prints the plan and installs nothing. A fake `nvidia-smi` (a
+script printing canned output) stands in for NVIDIA's driver; PATH holds only it and the system's
+own folders, so the real machine's tools (an nvcc in /usr/local/bin) do not leak in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(tmp_path: Path, *, smi: str | None = None, nvcc: bool = True,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`scripts/setup.sh --plan --dev` with `smi` as nvidia-smi's script body (None: none on
+    PATH) and a fake nvcc on PATH unless `nvcc` is False."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    tools = {"nvidia-smi": smi, "nvcc": "echo nvcc 13.0" if nvcc else None}
+    for name, body in tools.items():
+        if body is not None:
+            (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PACKSERVE_")}
+    clean.update({"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
+                  "PACKSERVE_CUDA_HOME": str(tmp_path / "no-cuda"),
+                  "PACKSERVE_WHEEL_CACHE": "/cache", **(env or {})})
+    return subprocess.run(["bash", "scripts/setup.sh", "--plan", "--dev"], cwd=ROOT, env=clean,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def fields(run: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    assert run.returncode == 0, run.stderr
+    return dict(line.split(": ", 1) for line in run.stdout.splitlines())
+
+
+H200 = "echo 9.0"
+
+
+def test_no_driver_means_the_cpu_build_and_no_cuda_download(tmp_path: Path) -> None:
+    run = plan(tmp_path)
+    got = fields(run)
+    assert got["build"] == "cpu"
+    assert got["reason"] == "no NVIDIA driver (no nvidia-smi on PATH)"
+    assert "packserve setup: cpu build: no NVIDIA driver" in run.stderr
+    assert "GGML_CUDA" not in got["llama-cpp-python"] and "GGML_CUDA" not in got["llama-server"]
+    assert "torch==2.13.0+cpu" in got["torch (--dev)"]
+    assert "cu130" not in run.stdout and "nvcc" not in got
+
+
+def test_a_driver_that_answers_means_the_cuda_build_for_its_card(tmp_path: Path) -> None:
+    cpu = fields(plan(tmp_path / "cpu"))
+    got = fields(plan(tmp_path, smi=H200))
+    assert got["build"] == "cuda"
+    assert got["reason"] == ("an NVIDIA driver answers (nvidia-smi: compute capability 9.0); "
+                             "CUDA architecture 90")
+    assert got["cuda_arch"] == "90"
+    assert got["nvcc"] == str(tmp_path / "bin" / "nvcc")
+    for key in ("llama-cpp-python", "llama-server"):
+        assert got[key].endswith("-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90") \
+            or "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 " in got[key]
+        # the same CPU flags besides, and a cache of its own
+        assert got[key].startswith(cpu[key].split(" -DBUILD_SHARED_LIBS")[0])
+        assert got[f"{key} cache"] != cpu[f"{key} cache"]
+    assert got["torch (--dev)"] == "torch==2.13.0+cu130 from https://download.pytorch.org/whl/cu130"
+
+
+def test_the_architecture_can_be_overridden_and_keys_its_own_cache(tmp_path: Path) -> None:
+    sm90 = fields(plan(tmp_path / "a", smi=H200))
+    got = fields(plan(tmp_path / "b", smi=H200, env={"PACKSERVE_CUDA_ARCH": "120"}))
+    assert got["cuda_arch"] == "120"
+    assert "-DCMAKE_CUDA_ARCHITECTURES=120" in got["llama-server"]
+    assert got["reason"].endswith("CUDA architecture 120 from PACKSERVE_CUDA_ARCH")
+    assert got["llama-cpp-python cache"] != sm90["llama-cpp-python cache"]
+    assert got["llama-server cache"] != sm90["llama-server cache"]
+
+
+@pytest.mark.parametrize(("smi", "env", "build", "reason"), [
+    (H200, {"PACKSERVE_DEVICE": "cpu"}, "cpu",
+     "PACKSERVE_DEVICE=cpu, although an NVIDIA driver answers "
+     "(nvidia-smi: compute capability 9.0)"),
+    (None, {"PACKSERVE_DEVICE": "cuda", "PACKSERVE_CUDA_ARCH": "89"}, "cuda",
+     "PACKSERVE_DEVICE=cuda; CUDA architecture 89 from PACKSERVE_CUDA_ARCH"),
+    ("echo 'NVIDIA-SMI has failed' >&2; exit 9", {}, "cpu",
+     "nvidia-smi is on PATH but reports no GPU (no driver loaded?)"),
+    ("echo 8.6; echo 9.0", {}, "cuda",  # two cards: the first one's
+     "an NVIDIA driver answers (nvidia-smi: compute capability 8.6); CUDA architecture 86"),
+])
+def test_the_choice_and_its_reason(tmp_path: Path, smi: str | None, env: dict[str, str],
+                                   build: str, reason: str) -> None:
+    got = fields(plan(tmp_path, smi=smi, env=env))
+    assert (got["build"], got["reason"]) == (build, reason)
+
+
+def test_the_cuda_build_without_nvcc_stops_saying_so(tmp_path: Path) -> None:
+    run = plan(tmp_path, smi=H200, nvcc=False)
+    assert run.returncode == 1
+    assert run.stdout == ""
+    assert "needs the CUDA toolkit's nvcc, found neither on PATH nor in " \
+        f"{tmp_path / 'no-cuda'}/bin" in run.stderr
+    assert "PACKSERVE_DEVICE=cpu" in run.stderr
+
+
+def test_nvcc_is_found_in_the_toolkits_prefix(tmp_path: Path) -> None:
+    cuda = tmp_path / "cuda" / "bin"
+    cuda.mkdir(parents=True)
+    (cuda / "nvcc").write_text("#!/bin/sh\n")
+    (cuda / "nvcc").chmod(0o755)
+    got = fields(plan(tmp_path, smi=H200, nvcc=False,
+                      env={"PACKSERVE_CUDA_HOME": str(tmp_path / "cuda")}))
+    assert got["nvcc"] == str(cuda / "nvcc")
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"PACKSERVE_DEVICE": "cuda"}, "set PACKSERVE_CUDA_ARCH"),
+    ({"PACKSERVE_DEVICE": "rocm"}, "PACKSERVE_DEVICE=rocm: expected cuda or cpu"),
+])
+def test_what_cannot_be_planned_is_refused(tmp_path: Path, env: dict[str, str],
+                                           message: str) -> None:
+    run = plan(tmp_path, env=env)
+    assert run.returncode == 1 and message in run.stderr
