@@ -23,9 +23,10 @@ from fastapi.responses import StreamingResponse
 from packserve.api import relay
 from packserve.api.calls import Call, Generate, Plain
 from packserve.api.errors import described
-from packserve.api.services import Inputs, Services
+from packserve.api.services import Services
 from packserve.api.sse import sse
 from packserve.core.backend import FinishReason, Generated, TokenLogprob
+from packserve.core.request import Inputs
 from packserve.errors import PackserveError
 from packserve.types import Task
 

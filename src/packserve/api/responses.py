@@ -23,9 +23,10 @@ from packserve.api.calls import Generate
 from packserve.api.errors import described
 from packserve.api.generation import Check, event_stream
 from packserve.api.schemas import ResponsesRequest
-from packserve.api.services import Inputs, Services
+from packserve.api.services import Services
 from packserve.api.sse import sse
 from packserve.core.backend import Generated
+from packserve.core.request import Inputs
 from packserve.errors import PackserveError
 from packserve.types import Task
 

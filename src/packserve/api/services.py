@@ -20,24 +20,11 @@ from packserve.auth import KeyLimits
 from packserve.config import ModelSpec, SloConfig
 from packserve.core.compute import TICKET, Gates
 from packserve.core.lease import Lease
+from packserve.core.request import Inputs
 from packserve.core.scheduler import Scheduler
 from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """A request's texts, for the model's per-request limits: `texts` count toward max_inputs
-    (embedding inputs, documents, messages, prompts) and, with `also` (a rerank query), toward
-    max_input_tokens. `param` is the request field an error names."""
-
-    texts: Sequence[str]
-    param: str = "input"
-    also: Sequence[str] = ()
-    # Token-id inputs: their lengths, which count toward max_input_tokens as they are (their
-    # `texts` are placeholders, counted toward max_inputs only).
-    token_counts: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,13 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from packserve.api.generation import ChatCompletion
 from packserve.api.schemas import ChatMessage, ChatRequest
-from packserve.api.services import Inputs, Services
+from packserve.api.services import Services
 from packserve.api.sse import sse
 from packserve.api.structured import check_json, checked_schema
 from packserve.core.backend import (
@@ -43,37 +42,13 @@ from packserve.core.backend import (
     Tool,
     ToolCall,
 )
+from packserve.core.request import Choice, Inputs, Named, ToolUse
 from packserve.errors import InvalidRequest
 from packserve.types import Task
 
-
-@dataclass(frozen=True)
-class Named:
-    """`tool_choice` naming one function (which may itself be called "none" or "auto")."""
-
-    name: str
-
-
-Choice = Literal["none", "auto", "required"] | Named
 NO_ARGUMENTS: dict[str, object] = {"type": "object", "properties": {},
                                    "additionalProperties": False}
 ARGUMENT_PIECE = 32  # characters of arguments per stream chunk after the call's first
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    """What a chat request asks of tools, checked: the tools, which of them may be called, and
-    the envelope schema the output is held to (None with `tool_choice: "none"`)."""
-
-    tools: tuple[Tool, ...]
-    choice: Choice
-    envelope: dict[str, object] | None
-
-    @property
-    def callable(self) -> tuple[Tool, ...]:
-        if isinstance(self.choice, Named):
-            return tuple(t for t in self.tools if t.name == self.choice.name)
-        return () if self.choice == "none" else self.tools
 
 
 def tool_use(body: ChatRequest) -> ToolUse | None:

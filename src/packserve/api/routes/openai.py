@@ -13,11 +13,12 @@ from packserve.api.access import may_call
 from packserve.api.calls import Generate
 from packserve.api.generation import ChatCompletion, TextCompletion, answer
 from packserve.api.schemas import ChatRequest, CompletionRequest, EmbeddingRequest
-from packserve.api.services import Inputs, Services, ServicesDep
+from packserve.api.services import Services, ServicesDep
 from packserve.api.structured import check_json, response_format
 from packserve.api.tools import chat_with_tools, tool_use
 from packserve.core.backend import Generated, GenerationParams, OnText, Runner, Wire
 from packserve.core.backend import Message as ChatTurn
+from packserve.core.request import Inputs
 from packserve.core.status import ModelStatus
 from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.types import Task

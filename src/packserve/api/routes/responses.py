@@ -13,10 +13,11 @@ from fastapi.responses import StreamingResponse
 
 from packserve.api import responses
 from packserve.api.schemas import ResponsesRequest
-from packserve.api.services import Inputs, ServicesDep
+from packserve.api.services import ServicesDep
 from packserve.api.structured import check_json, checked_schema
 from packserve.core.backend import Generated, GenerationParams, OnText, Runner
 from packserve.core.backend import Message as ChatTurn
+from packserve.core.request import Inputs
 from packserve.errors import InvalidRequest
 
 router = APIRouter()
