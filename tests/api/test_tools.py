@@ -10,9 +10,10 @@ import jsonschema
 import pytest
 
 from packserve.api.schemas import ChatRequest
-from packserve.api.tools import Choice, Named, ToolUse, envelope, resolved, tool_use, turns
+from packserve.api.tools import envelope, resolved, tool_use, turns
 from packserve.backends.llama import schema_grammar, template_renders_tools
 from packserve.core.backend import Generated, Tool
+from packserve.core.request import Choice, Named, ToolUse
 from packserve.errors import InvalidRequest, ModelOutputInvalid
 
 ITEM: dict[str, object] = {

@@ -19,26 +19,12 @@ import anyio
 
 from packserve.api import relay
 from packserve.api.batching import Batchers
-from packserve.core.backend import (
-    Embeddings,
-    Generated,
-    OnText,
-    Ranking,
-    Runner,
-    TokenLogprob,
-    Wire,
-)
+from packserve.core.backend import Embeddings, Generated, OnText, Ranking, TokenLogprob, Wire
 from packserve.core.compute import TICKET
 from packserve.core.lease import Lease
+from packserve.core.request import GenerationRequest
 
 T = TypeVar("T")
-
-# One generation on a leased runner, in a worker thread. It passes `on_text` to the engine, which
-# calls it with each new piece of text; it returns False once the engine should stop early.
-Generate = Callable[[Runner, OnText], Generated]
-# The same generation as a request to relay (`Runner.wire`), asked with whether it streams; on
-# the event loop; None where the engine does not answer in OpenAI's shape itself.
-Plain = Callable[[Runner, bool], Wire | None]
 
 
 class Call:
@@ -66,9 +52,9 @@ class Call:
         self._lease.count_tokens(out.tokens)
         return out
 
-    def wire(self, plain: Plain, *, stream: bool) -> Wire | None:
+    def wire(self, request: GenerationRequest) -> Wire | None:
         """The request to relay for a plain generation, if the leased engine takes one."""
-        return plain(self._lease.runner, stream)
+        return self._lease.runner.wire(request)
 
     async def relay_whole(self, wire: Wire) -> dict[str, Any]:
         """The engine's whole answer to `wire`, its tokens counted on the lease."""
@@ -81,22 +67,24 @@ class Call:
         return relay.stream(wire, self._lease.model, self._lease.count_tokens,
                             include_usage=include_usage, first_text=self._lease.first_token)
 
-    async def generate(self, job: Generate) -> Generated:
-        """Run `job` to the end; if the request is cancelled, its `on_text` asks it to stop."""
+    async def generate(self, request: GenerationRequest, choice: int = 0) -> Generated:
+        """Run `request` (its prompt number `choice`, for a completion) to the end; if the
+        request is cancelled, the engine is asked to stop."""
         stop = threading.Event()
-        out = await off_loop(job, self._lease.runner, _until(stop), on_cancel=stop.set)
+        out = await off_loop(self._lease.runner.generate, request, _until(stop), choice,
+                             on_cancel=stop.set)
         _count(self._lease, out)
         return out
 
     @contextlib.asynccontextmanager
-    async def stream(self, job: Generate) -> AsyncIterator[Stream]:
-        """Start `job` and hand its pieces over as they come. On leaving (the stream ended, or
-        its client left) the engine is asked to stop, and the thread is awaited, shielded from
-        cancellation, before the lease can be released."""
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[Stream]:
+        """Start `request` and hand its pieces over as they come. On leaving (the stream ended,
+        or its client left) the engine is asked to stop, and the thread is awaited, shielded
+        from cancellation, before the lease can be released."""
         ticket = TICKET.get()
         if ticket is not None:
             ticket.streaming = True  # its deadline is the first token (core.compute)
-        stream = Stream(self._lease, job)
+        stream = Stream(self._lease, request)
         try:
             yield stream
         finally:
@@ -116,7 +104,7 @@ class Stream:
     """The text pieces of a generation running in a worker thread, in order (`async for`), then
     its outcome (`result`)."""
 
-    def __init__(self, lease: Lease, job: Generate) -> None:
+    def __init__(self, lease: Lease, request: GenerationRequest) -> None:
         loop = asyncio.get_running_loop()
         self._lease = lease
         self._pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
@@ -131,7 +119,7 @@ class Stream:
 
         async def work() -> Generated:
             try:
-                return await asyncio.to_thread(job, lease.runner, on_text)
+                return await asyncio.to_thread(lease.runner.generate, request, on_text)
             finally:
                 self._pieces.put_nowait(None)
 

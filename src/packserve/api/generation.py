@@ -1,37 +1,37 @@
 """What generation routes share: the OpenAI envelope (id, created, choices, usage, stream chunks)
 and the way a response is produced, whole or as server-sent events.
 
-A route turns its request into `Generate` jobs (api.calls) and a `Completion`, and returns
+A route builds its `GenerationRequest` (api.request) and a `Completion`, and returns
 `answer(...)`. Chat and text completions differ only in their names and in the shape of a
 choice; a new generation route is one more `Completion` subclass.
 """
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import contextlib
 import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import Any, ClassVar
 
 from fastapi.responses import StreamingResponse
 
 from packserve.api import relay
-from packserve.api.calls import Call, Generate, Plain
+from packserve.api.calls import Call
 from packserve.api.errors import described
-from packserve.api.services import Inputs, Services
+from packserve.api.request import finish
+from packserve.api.services import Services
 from packserve.api.sse import sse
 from packserve.core.backend import FinishReason, Generated, TokenLogprob
+from packserve.core.request import GenerationRequest
 from packserve.errors import PackserveError
-from packserve.types import Task
 
 log = logging.getLogger("packserve.api")
 
-Check = Callable[[Generated], None]  # raises if an output must not be passed off as an answer
+ARGUMENT_PIECE = 32  # characters of a tool call's arguments per replayed chunk after its first
 
 
 class Completion(ABC):
@@ -73,6 +73,29 @@ class Completion(ABC):
     def usage_chunk(self, out: Generated) -> dict[str, Any]:
         """The last chunk when the client asked for `stream_options.include_usage`."""
         return {**self.chunk([]), "usage": usage(out.prompt_tokens, out.completion_tokens)}
+
+    def replayed(self, out: Generated, include_usage: bool) -> Iterator[str]:
+        """A whole answer as OpenAI streams one: the opening; the text, or each call's id and
+        name and then its arguments in pieces (chat's delta shape: only chats make calls); the
+        finish; the usage if asked; `[DONE]`."""
+        yield self.opening()
+        if out.text:
+            yield sse(self.chunk([self.delta(out.text, None, out.logprobs or ())]))
+        for index, c in enumerate(out.tool_calls):
+            pieces = [c.arguments[i:i + ARGUMENT_PIECE]
+                      for i in range(0, len(c.arguments), ARGUMENT_PIECE)]
+            head = {"index": index, "id": c.id, "type": "function",
+                    "function": {"name": c.name, "arguments": ""}}
+            yield sse(self.chunk([{"index": 0, "delta": {"tool_calls": [head]},
+                                   "logprobs": None, "finish_reason": None}]))
+            for piece in pieces:
+                yield sse(self.chunk([{"index": 0, "delta": {"tool_calls": [
+                    {"index": index, "function": {"arguments": piece}}]},
+                    "logprobs": None, "finish_reason": None}]))
+        yield sse(self.chunk([self.delta(None, out.finish_reason)]))
+        if include_usage:
+            yield sse(self.usage_chunk(out))
+        yield sse("[DONE]")
 
     def _head(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
@@ -175,27 +198,25 @@ class TextCompletion(Completion):
                 "text_offset": offsets}, at
 
 
-async def answer(s: Services, reply: Completion, task: Task, jobs: Sequence[Generate], *,
-                 inputs: Inputs | None = None, stream: bool = False,
-                 include_usage: bool = False, check: Check | None = None,
-                 plain: Plain | None = None) -> dict[str, Any] | StreamingResponse:
-    """Run `jobs` in order on one lease of `reply.model` and answer with one choice each; or,
-    with `stream`, answer with server-sent events of the only job. `check` sees each output
-    (after the lease is given back, unless streaming). `plain`: the only job as a request to
-    relay, where the leased engine answers in OpenAI's shape itself (`api.relay`)."""
-    if stream:
-        assert len(jobs) == 1, "a stream has one choice"
-        return await _streamed(s, reply, task, jobs[0], inputs, check, include_usage, plain)
-    async with s.call(reply.model, task, inputs) as call:
-        wire = call.wire(plain, stream=False) if plain is not None and len(jobs) == 1 else None
+async def answer(s: Services, request: GenerationRequest, reply: Completion
+                 ) -> dict[str, Any] | StreamingResponse:
+    """Answer `request` on one lease of its model, with one choice per prompt (the engine's own
+    answer, relayed, for a plain one: `Runner.wire`). A streaming request is answered with
+    server-sent events as its text comes; one with tools, once its whole answer is read
+    (api.tools). Each output is `finish`ed: after the lease is given back, unless streaming."""
+    if request.stream and request.tools is None:
+        return await _streamed(s, request, reply)
+    async with s.call(request.model, request.task, request.inputs) as call:
+        wire = call.wire(request)
         if wire is not None:
             with contextlib.suppress(relay.Unreachable):  # then the engine's own way, below
                 return await call.relay_whole(wire)
-        outs = [await call.generate(job) for job in jobs]
-    if check is not None:
-        for out in outs:
-            # Off the loop: a schema's `pattern` can backtrack for seconds on hostile output.
-            await asyncio.to_thread(check, out)
+        outs = [await call.generate(request, i) for i in range(request.choices)]
+    outs = [await finish(request, out) for out in outs]
+    if request.stream:
+        return StreamingResponse(reply.replayed(outs[0], request.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     return reply.response(outs)
 
 
@@ -204,13 +225,12 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-async def _streamed(s: Services, reply: Completion, task: Task, job: Generate,
-                    inputs: Inputs | None, check: Check | None, include_usage: bool,
-                    plain: Plain | None) -> StreamingResponse:
+async def _streamed(s: Services, request: GenerationRequest, reply: Completion
+                    ) -> StreamingResponse:
     """The lease is taken before the response starts, so quota, load and unknown-model errors
     still get their status code; it is released when the stream ends, after the generating
     thread has stopped. Errors after the start are reported in-band, then `[DONE]`."""
-    return await event_stream(_events(s, reply, task, job, inputs, check, include_usage, plain))
+    return await event_stream(_events(s, request, reply))
 
 
 async def event_stream(events: AsyncIterator[str | bytes]) -> StreamingResponse:
@@ -228,14 +248,14 @@ async def event_stream(events: AsyncIterator[str | bytes]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache"})
 
 
-async def _events(s: Services, reply: Completion, task: Task, job: Generate,
-                  inputs: Inputs | None, check: Check | None, include_usage: bool,
-                  plain: Plain | None) -> AsyncIterator[str | bytes]:
-    async with s.call(reply.model, task, inputs) as call:
-        wire = call.wire(plain, stream=True) if plain is not None else None
+async def _events(s: Services, request: GenerationRequest, reply: Completion
+                  ) -> AsyncIterator[str | bytes]:
+    async with s.call(request.model, request.task, request.inputs) as call:
+        wire = call.wire(request)
         # Each inner generator is closed here, inside the lease, however the stream ends.
         if wire is not None:
-            async with contextlib.aclosing(call.relay(wire, include_usage=include_usage)) as raw:
+            async with contextlib.aclosing(call.relay(
+                    wire, include_usage=request.include_usage)) as raw:
                 try:
                     opened = await raw.__anext__()
                 except relay.Unreachable:
@@ -245,28 +265,25 @@ async def _events(s: Services, reply: Completion, task: Task, job: Generate,
                     async for chunk in raw:
                         yield chunk
                     return
-        async with contextlib.aclosing(_generated(reply, call, job, check,
-                                                  include_usage)) as events:
+        async with contextlib.aclosing(_generated(reply, call, request)) as events:
             async for event in events:
                 yield event
 
 
-async def _generated(reply: Completion, call: Call, job: Generate, check: Check | None,
-                     include_usage: bool) -> AsyncGenerator[str]:
-    async with call.stream(job) as pieces:
+async def _generated(reply: Completion, call: Call, request: GenerationRequest
+                     ) -> AsyncGenerator[str]:
+    async with call.stream(request) as pieces:
         yield reply.opening()
         async for piece in pieces:
             yield sse(reply.chunk([reply.delta(piece.text, None, piece.logprobs)]))
         try:
-            out = await pieces.result()
-            if check is not None:
-                await asyncio.to_thread(check, out)
+            out = await finish(request, await pieces.result())
         except Exception as exc:  # the response has started: report in-band, keep serving
             if not isinstance(exc, PackserveError):
                 log.exception("stream for %s failed", reply.model)
             yield sse(described(exc)[0])
         else:
             yield sse(reply.chunk([reply.delta(None, out.finish_reason)]))
-            if include_usage:
+            if request.include_usage:
                 yield sse(reply.usage_chunk(out))
         yield sse("[DONE]")

@@ -33,7 +33,7 @@ _TEXT = re.compile(rb'"(?:content|text)":"[^"]')  # an event with text in it
 
 class Unreachable(EngineCrashed):
     """The engine did not take the request (its socket refused or closed before an answer
-    began): nothing ran, so the route may serve it another way (`Runner.chat`, which starts a
+    began): nothing ran, so the route may serve it another way (`Runner.generate`, which starts a
     dead runner again)."""
 Count = Callable[[int, int], None]  # prompt tokens, completion tokens
 

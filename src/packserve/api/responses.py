@@ -10,7 +10,6 @@ chat's.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -19,15 +18,15 @@ from typing import Any, Literal
 
 from fastapi.responses import StreamingResponse
 
-from packserve.api.calls import Generate
 from packserve.api.errors import described
-from packserve.api.generation import Check, event_stream
+from packserve.api.generation import event_stream
+from packserve.api.request import finish
 from packserve.api.schemas import ResponsesRequest
-from packserve.api.services import Inputs, Services
+from packserve.api.services import Services
 from packserve.api.sse import sse
 from packserve.core.backend import Generated
+from packserve.core.request import GenerationRequest
 from packserve.errors import PackserveError
-from packserve.types import Task
 
 log = logging.getLogger("packserve.api")
 
@@ -98,26 +97,24 @@ def status_of(out: Generated) -> Status:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
 
-async def answer(s: Services, reply: Reply, job: Generate, inputs: Inputs, check: Check
-                 ) -> dict[str, Any]:
-    """Run `job` on a chat lease of `reply.model` and answer with the whole response."""
-    async with s.call(reply.model, Task.CHAT, inputs) as call:
-        out = await call.generate(job)
-    # Off the loop: a schema's `pattern` can backtrack for seconds on hostile output.
-    await asyncio.to_thread(check, out)
+async def answer(s: Services, reply: Reply, request: GenerationRequest) -> dict[str, Any]:
+    """Run `request` (a chat) on a lease of its model and answer with the whole response."""
+    async with s.call(request.model, request.task, request.inputs) as call:
+        out = await call.generate(request)
+    out = await finish(request, out)
     return reply.response(status_of(out), out)
 
 
-async def stream(s: Services, reply: Reply, job: Generate, inputs: Inputs, check: Check
-                 ) -> StreamingResponse:
-    """`job` as server-sent events. As chat's streams: the lease is taken before the response
-    starts (its errors keep their status code) and released when the stream ends."""
-    return await event_stream(_events(s, reply, job, inputs, check))
+async def stream(s: Services, reply: Reply, request: GenerationRequest) -> StreamingResponse:
+    """`request` as server-sent events. As chat's streams: the lease is taken before the
+    response starts (its errors keep their status code) and released when the stream ends."""
+    return await event_stream(_events(s, reply, request))
 
 
-async def _events(s: Services, reply: Reply, job: Generate, inputs: Inputs, check: Check
+async def _events(s: Services, reply: Reply, request: GenerationRequest
                   ) -> AsyncIterator[str]:
-    async with s.call(reply.model, Task.CHAT, inputs) as call, call.stream(job) as pieces:
+    async with (s.call(request.model, request.task, request.inputs) as call,
+                call.stream(request) as pieces):
         yield reply.event("response.created", response=reply.response("in_progress"))
         yield reply.event("response.in_progress", response=reply.response("in_progress"))
         yield reply.event("response.output_item.added", output_index=0,
@@ -126,8 +123,7 @@ async def _events(s: Services, reply: Reply, job: Generate, inputs: Inputs, chec
         async for piece in pieces:
             yield reply.text_event("response.output_text.delta", delta=piece.text, logprobs=[])
         try:
-            out = await pieces.result()
-            await asyncio.to_thread(check, out)
+            out = await finish(request, await pieces.result())
         except Exception as exc:  # the response has started: report in-band, keep serving
             if not isinstance(exc, PackserveError):
                 log.exception("response stream for %s failed", reply.model)

@@ -20,24 +20,11 @@ from packserve.auth import KeyLimits
 from packserve.config import ModelSpec, SloConfig
 from packserve.core.compute import TICKET, Gates
 from packserve.core.lease import Lease
+from packserve.core.request import Inputs
 from packserve.core.scheduler import Scheduler
 from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """A request's texts, for the model's per-request limits: `texts` count toward max_inputs
-    (embedding inputs, documents, messages, prompts) and, with `also` (a rerank query), toward
-    max_input_tokens. `param` is the request field an error names."""
-
-    texts: Sequence[str]
-    param: str = "input"
-    also: Sequence[str] = ()
-    # Token-id inputs: their lengths, which count toward max_input_tokens as they are (their
-    # `texts` are placeholders, counted toward max_inputs only).
-    token_counts: Sequence[int] = ()
 
 
 @dataclass(frozen=True)
@@ -108,46 +95,29 @@ class Services:
         assert isinstance(spec, ModelSpec)  # the server's entries: the core holds them as Served
         return spec
 
-    def check_engine(self, model: str, fields: Sequence[str] = (), *,
-                     token_ids: str | None = None) -> None:
-        """Refuse, before any load, what the engine of `model` does not honour: generation
-        fields beyond OpenAI's (`fields`, as the request names them) and inputs given as token
-        ids (`token_ids`: the field that holds them)."""
-        spec = self.spec_of(model)
-        engine = backends.get(spec.backend)
-        for name in fields:
-            if name.rpartition(".")[2] not in engine.sampling:
-                honour = sorted(engine.sampling)
-                raise InvalidRequest(
-                    f"model {model!r} is served by engine {engine.name!r}, which does not "
-                    f"honour {name}" + (f" (it honours {', '.join(honour)})" if honour else "")
-                    + "; leave it out, or serve the model with backend = \"llama-server\"",
-                    param=name)
-        if token_ids is not None and not engine.token_ids:
-            raise InvalidRequest(f"{token_ids} is token ids, but model {model!r} is served by "
-                                 f"engine {engine.name!r}, which takes text, not token ids",
-                                 param=token_ids)
-
-    def max_tokens(self, model: str, requested: int | None, param: str = "max_tokens",
-                   default: int | None = None) -> int | None:
-        """The max_tokens a generation runs with: what the request asked (None: it did not
-        say, and `default` applies), within the model's max_output_tokens."""
-        ceiling = self.spec_of(model).max_output_tokens
-        if requested is None:
-            if ceiling is None or default is None:
-                return default if ceiling is None else ceiling
-            return min(default, ceiling)
-        if ceiling is None:
-            return requested
-        if requested > ceiling:
-            raise InvalidRequest(f"{param} is {requested} but model {model!r} generates at "
-                                 f"most {ceiling} tokens per request (its max_output_tokens)",
-                                 param=param)
-        return requested
-
     def visible_models(self) -> list[str]:
         """The catalog names the request being served may call (all of them without keys)."""
         return [name for name in self.scheduler.model_names() if may_call(name)]
+
+
+def check_engine(spec: ModelSpec, fields: Sequence[str] = (), *,
+                 token_ids: str | None = None) -> None:
+    """Refuse, before any load, what the engine of `spec` does not honour: generation fields
+    beyond OpenAI's (`fields`, as the request names them) and inputs given as token ids
+    (`token_ids`: the field that holds them)."""
+    engine = backends.get(spec.backend)
+    for name in fields:
+        if name.rpartition(".")[2] not in engine.sampling:
+            honour = sorted(engine.sampling)
+            raise InvalidRequest(
+                f"model {spec.name!r} is served by engine {engine.name!r}, which does not "
+                f"honour {name}" + (f" (it honours {', '.join(honour)})" if honour else "")
+                + "; leave it out, or serve the model with backend = \"llama-server\"",
+                param=name)
+    if token_ids is not None and not engine.token_ids:
+        raise InvalidRequest(f"{token_ids} is token ids, but model {spec.name!r} is served by "
+                             f"engine {engine.name!r}, which takes text, not token ids",
+                             param=token_ids)
 
 
 async def services(request: Request) -> Services:

@@ -1,12 +1,13 @@
-"""Structured output for chat: the requested `response_format` is checked before anything runs,
-and what the model produced is checked against it before it is passed off as an answer."""
+"""Structured output for chat and responses: the requested `response_format` (`text.format`) is
+checked before anything runs, and what the model produced is checked against it before it is
+passed off as an answer."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from packserve.api.schemas import ChatRequest
+from packserve.api.schemas import ChatRequest, ResponsesRequest
 from packserve.errors import InvalidRequest, ModelOutputInvalid
 
 # A schema nested deeper than this (objects and arrays, counted in the JSON) is refused: the
@@ -19,13 +20,28 @@ def response_format(body: ChatRequest) -> tuple[dict[str, object] | None, bool]:
     Raises InvalidRequest for a schema that is invalid, nested deeper than `MAX_SCHEMA_DEPTH`,
     or that the output check could not apply (see `_check_refs`)."""
     fmt = body.response_format
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None, False
-    if fmt.type == "json_object":
+    return _format(fmt.type, fmt.json_schema.schema_ if fmt.json_schema else None,
+                   "response_format", "response_format.json_schema.schema")
+
+
+def text_format(body: ResponsesRequest) -> tuple[dict[str, object] | None, bool]:
+    """As `response_format`, for /v1/responses' `text.format`."""
+    fmt = body.text.format if body.text else None
+    if fmt is None:
+        return None, False
+    return _format(fmt.type, fmt.schema_, "text.format", "text.format.schema")
+
+
+def _format(type_: str, schema: dict[str, object] | None, param: str, where: str
+            ) -> tuple[dict[str, object] | None, bool]:
+    if type_ == "text":
+        return None, False
+    if type_ == "json_object":
         return None, True
-    assert fmt.json_schema is not None
-    return checked_schema(fmt.json_schema.schema_, "response_format",
-                          "response_format.json_schema.schema"), False
+    assert schema is not None  # the body's own validator requires it
+    return checked_schema(schema, param, where), False
 
 
 def checked_schema(schema: dict[str, object], param: str, where: str) -> dict[str, object]:

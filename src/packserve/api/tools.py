@@ -7,73 +7,33 @@ envelope may instead be `{"response": TEXT}`, a plain answer (llama.cpp's server
 for its generic tool format). The output is checked against the envelope, then turned into
 `message.tool_calls` (finish_reason "tool_calls") or `message.content`.
 
-How tools reach the model: through its own chat template when that template shows tools
-(`Runner.renders_tools`), else through packserve's generic tool prompt if the operator enabled
-it for the model (`tool_prompt = true`): a system message listing the tools, earlier calls as
-the assistant's JSON, results as user turns. Else the request is refused (400).
+How tools reach the model: the request (core.request) carries the conversation as the model's
+own chat template shows tools and tool turns, and, if the operator enabled it for the model
+(`tool_prompt = true`), through packserve's generic tool prompt: a system message listing the
+tools, earlier calls as the assistant's JSON, results as user turns. The engine takes the first
+where its template shows tools (`Backend.renders_tools`), else the second; else the request is
+refused (400; `GenerationRequest.conversation`).
 
 While tools may be called the answer is generated whole, then sent, streamed or not: a stream
-carries the call in OpenAI's delta shape once it is complete.
+carries the call in OpenAI's delta shape once it is complete (api.generation).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import json
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
 
-from fastapi.responses import StreamingResponse
-
-from packserve.api.generation import ChatCompletion
 from packserve.api.schemas import ChatMessage, ChatRequest
-from packserve.api.services import Inputs, Services
-from packserve.api.sse import sse
 from packserve.api.structured import check_json, checked_schema
-from packserve.core.backend import (
-    Generated,
-    GenerationParams,
-    Message,
-    OnText,
-    Runner,
-    Tool,
-    ToolCall,
-)
+from packserve.core.backend import Generated, Message, Tool, ToolCall
+from packserve.core.request import Choice, Named, ToolUse
 from packserve.errors import InvalidRequest
-from packserve.types import Task
 
-
-@dataclass(frozen=True)
-class Named:
-    """`tool_choice` naming one function (which may itself be called "none" or "auto")."""
-
-    name: str
-
-
-Choice = Literal["none", "auto", "required"] | Named
 NO_ARGUMENTS: dict[str, object] = {"type": "object", "properties": {},
                                    "additionalProperties": False}
-ARGUMENT_PIECE = 32  # characters of arguments per stream chunk after the call's first
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    """What a chat request asks of tools, checked: the tools, which of them may be called, and
-    the envelope schema the output is held to (None with `tool_choice: "none"`)."""
-
-    tools: tuple[Tool, ...]
-    choice: Choice
-    envelope: dict[str, object] | None
-
-    @property
-    def callable(self) -> tuple[Tool, ...]:
-        if isinstance(self.choice, Named):
-            return tuple(t for t in self.tools if t.name == self.choice.name)
-        return () if self.choice == "none" else self.tools
 
 
 def tool_use(body: ChatRequest) -> ToolUse | None:
@@ -210,7 +170,8 @@ def _reply_so_far(text: str) -> str:
 
 # ------------------------------------------------------------------------------ prompts
 
-def turns(messages: Sequence[ChatMessage], use: ToolUse, native: bool) -> list[Message]:
+def turns(messages: Sequence[ChatMessage], use: ToolUse | None = None, native: bool = True
+          ) -> tuple[Message, ...]:
     """The conversation as the engine gets it. `native`: the model's template shows the tools
     and tool turns itself, and only learns the envelope here; else the generic tool prompt."""
     out: list[Message] = []
@@ -232,12 +193,12 @@ def turns(messages: Sequence[ChatMessage], use: ToolUse, native: bool) -> list[M
             out.append(Message("assistant", "\n".join([m.text, *shown] if m.text else shown)))
         else:
             out.append(Message(role, m.text))
-    system = instructions(use, listed=not native)
+    system = "" if use is None else instructions(use, listed=not native)
     if not system:
-        return out
+        return tuple(out)
     if out and out[0].role == "system":
-        return [Message("system", f"{out[0].content}\n\n{system}"), *out[1:]]
-    return [Message("system", system), *out]
+        return (Message("system", f"{out[0].content}\n\n{system}"), *out[1:])
+    return (Message("system", system), *out)
 
 
 _RESULT = "Result of tool"
@@ -280,75 +241,11 @@ def instructions(use: ToolUse, *, listed: bool) -> str:
     return "\n".join(lines)
 
 
-def tool_texts(body: ChatRequest, use: ToolUse) -> list[str]:
+def tool_texts(body: ChatRequest, use: ToolUse) -> tuple[str, ...]:
     """What a request adds to the model's prompt beyond message contents (tool definitions,
     earlier calls), for the model's max_input_tokens."""
     defs = [json.dumps({"name": t.name, "description": t.description,
                         "parameters": t.parameters}) for t in use.tools]
     calls = [f"{c.function.name} {c.function.arguments}"
              for m in body.messages for c in m.calls]
-    return [*defs, *calls]
-
-
-# ------------------------------------------------------------------------------ the route
-
-async def chat_with_tools(s: Services, body: ChatRequest, params: GenerationParams,
-                          use: ToolUse) -> dict[str, Any] | StreamingResponse:
-    """Answer a chat that has tools that may be called or tool turns (see the module's doc)."""
-    spec = s.spec_of(body.model)
-    if use.envelope is not None:  # the output is an envelope: no stop strings inside it
-        params = dataclasses.replace(params, stop=(), logprobs=None, json_schema=use.envelope,
-                                     json_object=False)
-    logprobs = params.logprobs is not None
-
-    def run(runner: Runner, on_text: OnText) -> Generated:
-        native = runner.renders_tools()
-        if not native and not spec.tool_prompt:
-            raise InvalidRequest(
-                f"model {body.model!r}'s chat template has no tool support; set tool_prompt = "
-                f"true in its [[models]] entry to use packserve's generic tool prompt",
-                param="tools" if use.tools else "messages")
-        asked = dataclasses.replace(params, tools=use.callable if native else ())
-        try:
-            return runner.chat(turns(body.messages, use, native), asked, on_text)
-        except InvalidRequest as exc:  # the engine could not make a grammar of the envelope
-            if exc.param != "response_format" or use.envelope is None:
-                raise  # without an envelope the grammar is response_format's own
-            raise InvalidRequest(f"{exc.message} (in tools)", param="tools") from exc
-
-    inputs = Inputs([m.text for m in body.messages], "messages", also=tool_texts(body, use))
-    async with s.call(body.model, Task.CHAT, inputs) as call:
-        out = await call.generate(run)
-    # Off the loop: a schema's `pattern` can backtrack for seconds on hostile output.
-    if use.envelope is not None:
-        out = await asyncio.to_thread(resolved, out, use, body.model)
-    elif (params.json_schema is not None or params.json_object) and out.finish_reason == "stop":
-        await asyncio.to_thread(check_json, out.text, params.json_schema, body.model)
-    reply = ChatCompletion(body.model, logprobs=logprobs)
-    if not body.stream:
-        return reply.response([out])
-    return StreamingResponse(_replayed(reply, out, body.include_usage),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _replayed(reply: ChatCompletion, out: Generated, include_usage: bool) -> Iterator[str]:
-    """A whole answer as OpenAI streams one: the role; the text, or each call's id and name
-    and then its arguments in pieces; the finish; the usage if asked; `[DONE]`."""
-    yield reply.opening()
-    if out.text:
-        yield sse(reply.chunk([reply.delta(out.text, None, out.logprobs or ())]))
-    for index, c in enumerate(out.tool_calls):
-        pieces = [c.arguments[i:i + ARGUMENT_PIECE]
-                  for i in range(0, len(c.arguments), ARGUMENT_PIECE)]
-        head = {"index": index, "id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": ""}}
-        yield sse(reply.chunk([{"index": 0, "delta": {"tool_calls": [head]},
-                                "logprobs": None, "finish_reason": None}]))
-        for piece in pieces:
-            yield sse(reply.chunk([{"index": 0, "delta": {"tool_calls": [
-                {"index": index, "function": {"arguments": piece}}]},
-                "logprobs": None, "finish_reason": None}]))
-    yield sse(reply.chunk([reply.delta(None, out.finish_reason)]))
-    if include_usage:
-        yield sse(reply.usage_chunk(out))
-    yield sse("[DONE]")
+    return (*defs, *calls)

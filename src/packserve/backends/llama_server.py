@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from packserve.backends.llama import _context, _gguf, _size, _wire, sampling_extensions
 from packserve.core.backend import (
@@ -74,6 +74,8 @@ from packserve.types import Task
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
+
+    from packserve.core.request import GenerationRequest
 
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
 START_TIMEOUT_S = 120.0  # a runner that is not serving by then failed to load
@@ -679,28 +681,26 @@ class LlamaServerBackend(_RunnerProcess):
             body["top_logprobs"] = params.logprobs
         return self._generate("/v1/chat/completions", body, on_text, "messages")
 
-    def wire(self, task: Task, messages: Sequence[Message] | str | Sequence[int],
-             params: GenerationParams, *, stream: bool, usage_per_chunk: bool = False
-             ) -> Wire | None:
+    def wire(self, request: GenerationRequest) -> Wire | None:
         """Plain chats and completions go to the runner as they are and its answer is relayed
         (`api.relay`): no thread, no decoding of each event in the worker. A dead runner
         answers None, so that the request takes `chat`/`complete`, which starts it again."""
         if self.dead() or self._dir is None:
             return None
-        body: dict[str, Any] = {**self._sampling(params), "stream": stream}
-        completion = task is Task.COMPLETE
+        stream = request.stream
+        body: dict[str, Any] = {**self._sampling(request.params), "stream": stream}
+        completion = request.task is Task.COMPLETE
         if completion:
-            prompt = cast("str | Sequence[int]", messages)
-            body["prompt"], path = self._prompt(prompt), "/v1/completions"
+            body["prompt"], path = self._prompt(request.prompts[0]), "/v1/completions"
         else:
-            turns = cast("Sequence[Message]", messages)
-            body["messages"], path = [_wire(m) for m in turns], "/v1/chat/completions"
+            body["messages"] = [_wire(m) for m in request.messages]
+            path = "/v1/chat/completions"
         if stream:
             body["stream_options"] = {"include_usage": True}  # counted on the lease
-            if usage_per_chunk:
+            if request.usage_per_chunk:
                 body["timings_per_token"] = True  # api.relay makes them usage
         return Wire(socket=str(self._socket), path=path, body=json.dumps(body).encode(),
-                    served_as=self.name, usage_per_chunk=stream and usage_per_chunk,
+                    served_as=self.name, usage_per_chunk=stream and request.usage_per_chunk,
                     # llama-server names text completions as it names chats
                     id_prefix=("chatcmpl-", "cmpl-") if completion else None)
 

@@ -8,7 +8,9 @@ Who calls what, and when:
   rules. Nothing else touches the lifecycle.
 - Request handlers never see a backend. A `Lease` lends them its `Runner`, which has the task
   methods and nothing of the lifecycle; they call it in a worker thread (never on the event
-  loop) and may assume `load()` has returned and `unload()` has not started.
+  loop) and may assume `load()` has returned and `unload()` has not started. A chat or a
+  completion reaches it as one `GenerationRequest` (core.request), which `Runner.generate`
+  hands to the backend's `chat` or `complete` and `Runner.wire` to its `wire`.
 - A backend that serves several tasks or several catalog names (shared weights) must tolerate
   concurrent task calls; llama.cpp's and sentence-transformers' backends serialise them
   with their own lock (one context; one tokenizer with shared padding state).
@@ -22,12 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from packserve.errors import TaskNotSupported
+from packserve.errors import InvalidRequest, TaskNotSupported
 from packserve.types import Task
 
 if TYPE_CHECKING:  # numpy is imported by the engines that make vectors, not by the config
     import numpy as np
     import numpy.typing as npt
+
+    from packserve.core.request import GenerationRequest  # which is made of this module's types
 
 
 @dataclass(frozen=True)
@@ -258,22 +262,20 @@ class Backend:
     def renders_tools(self) -> bool:
         """Whether `chat()` shows `params.tools`, assistant tool calls and tool results to the
         model through the model's own chat template. Called in a worker thread under a lease,
-        before a chat that has tools or tool turns; False: the caller renders them as plain
-        turns (api.tools' generic tool prompt) or refuses the request."""
+        before a chat that has tools or tool turns; False: the chat gets the request's generic
+        tool prompt (api.tools) instead, or is refused (`GenerationRequest.conversation`)."""
         return False
 
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot chat")
 
-    def wire(self, task: Task, messages: Sequence[Message] | str | Sequence[int],
-             params: GenerationParams, *, stream: bool, usage_per_chunk: bool = False
-             ) -> Wire | None:
-        """The request to relay for this chat (`messages`) or completion (a prompt: text, or
-        token ids where the engine declares `token_ids`), if the engine answers in OpenAI's
-        shape itself; None: the route calls `chat` or `complete`. With `usage_per_chunk`, each
+    def wire(self, request: GenerationRequest) -> Wire | None:
+        """The request to relay for this chat or completion (its one prompt: text, or token ids
+        where the engine declares `token_ids`), if the engine answers in OpenAI's shape itself;
+        None: the route calls `chat` or `complete`. With `request.usage_per_chunk`, each
         streamed event carries the engine's counts so far (`api.relay` makes them usage).
-        Called on the event loop under a lease, only for plain generations (no tools, no
+        Called on the event loop under a lease, only for a `request.plain` one (no tools, no
         structured output, no logprobs, no echo); no I/O."""
         return None
 
@@ -296,7 +298,8 @@ class Runner:
     The scheduler makes one per load, when the load succeeds, and lends that same object to
     every lease on it until it is unloaded; so its identity names the load (catalog names that
     share weights share one runner, and the embedding batcher keys on it). Called in worker
-    threads, never on the event loop, only while a lease on it is held.
+    threads, never on the event loop (but `wire`, which does no I/O), only while a lease on it
+    is held.
     """
 
     __slots__ = ("__weakref__", "_backend")
@@ -334,25 +337,28 @@ class Runner:
     def rerank(self, query: str, documents: Sequence[str]) -> Ranking:
         return self._backend.rerank(query, documents)
 
-    def renders_tools(self) -> bool:
-        return self._backend.renders_tools()
-
     def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
         return self._backend.working(deadline, slo_s)
 
-    def chat(self, messages: Sequence[Message], params: GenerationParams,
-             on_text: OnText | None = None) -> Generated:
-        return self._backend.chat(messages, params, on_text)
+    def generate(self, request: GenerationRequest, on_text: OnText | None = None,
+                 choice: int = 0) -> Generated:
+        """Run `request`: a completion's prompt number `choice`, or the chat, its tools shown
+        as `GenerationRequest.conversation` says for this engine."""
+        if request.task is Task.COMPLETE:
+            return self._backend.complete(request.prompts[choice], request.params, on_text)
+        messages, params = request.conversation(
+            request.tools is not None and self._backend.renders_tools())
+        try:
+            return self._backend.chat(messages, params, on_text)
+        except InvalidRequest as exc:  # the engine could not make a grammar of the envelope
+            if exc.param != "response_format" or request.output != "tool_call":
+                raise  # without an envelope the grammar is response_format's own
+            raise InvalidRequest(f"{exc.message} (in tools)", param="tools") from exc
 
-    def wire(self, task: Task, messages: Sequence[Message] | str | Sequence[int],
-             params: GenerationParams, *, stream: bool, usage_per_chunk: bool = False
-             ) -> Wire | None:
-        return self._backend.wire(task, messages, params, stream=stream,
-                                  usage_per_chunk=usage_per_chunk)
-
-    def complete(self, prompt: str | Sequence[int], params: GenerationParams,
-                 on_text: OnText | None = None) -> Generated:
-        return self._backend.complete(prompt, params, on_text)
+    def wire(self, request: GenerationRequest) -> Wire | None:
+        """The request to relay, for a plain one (`GenerationRequest.plain`) whose engine
+        answers in OpenAI's shape itself; else None. On the event loop."""
+        return self._backend.wire(request) if request.plain else None
 
 
 BackendFactory = Callable[[LoadSpec], Backend]

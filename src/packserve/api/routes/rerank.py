@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from packserve.api.schemas import RerankRequest
-from packserve.api.services import Inputs, ServicesDep
+from packserve.api.services import ServicesDep
+from packserve.core.request import Inputs
 from packserve.types import Task
 
 router = APIRouter()
