@@ -42,6 +42,13 @@ class TaskNotSupported(InvalidRequest):
     code = "task_not_supported"
 
 
+class Forbidden(PackserveError):
+    """The caller's key may not do what the request asks (an admin's field with a plain key)."""
+
+    status = 403
+    type = "permission_error"
+
+
 class ModelNotFound(PackserveError):
     status = 404
     type = "invalid_request_error"

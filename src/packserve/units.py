@@ -42,6 +42,7 @@ def format_bytes(n: int, *, decimal: bool = False, compact: bool = False) -> str
 
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|s|m|h)")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_DURATION_S = 1e12  # longer is never (and an integer too large for a float is no error)
 
 
 def parse_duration(value: object) -> float:
@@ -49,8 +50,8 @@ def parse_duration(value: object) -> float:
     forms); `"never"` or a negative number is `math.inf`."""
     if isinstance(value, bool):
         raise ValueError("expected a duration (write it like 5m, 90s, 1h30m, 300 or never)")
-    if isinstance(value, (int, float)) and not math.isnan(value):
-        return math.inf if value < 0 else float(value)
+    if isinstance(value, (int, float)) and value == value:  # not NaN
+        return math.inf if value < 0 or value > MAX_DURATION_S else float(value)
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "never":
@@ -61,7 +62,7 @@ def parse_duration(value: object) -> float:
             pass
         parts = _DURATION.findall(text)
         if parts and "".join(n + u for n, u in parts) == text:
-            return sum(float(n) * _SECONDS[u] for n, u in parts)
+            return parse_duration(sum(float(n) * _SECONDS[u] for n, u in parts))
     raise ValueError(f"{value!r} is not a duration (write it like 5m, 90s, 1h30m, 300 "
                      f"or never)")
 

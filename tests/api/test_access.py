@@ -97,6 +97,26 @@ def test_a_key_calls_its_models_and_learns_nothing_of_others(
     assert [m.id for m in sdk(server, keys[1]["ops"]).models.list()] == ["emb", "gen"]
 
 
+def test_only_an_admin_key_may_send_keep_alive(
+        server: Running, keys: tuple[Path, dict[str, str]]) -> None:
+    """Ollama's per-request keep_alive changes the model for every client: a plain key gets
+    403 naming the field, through the SDK as a client would send it (`extra_body`)."""
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        sdk(server, keys[1]["search"]).embeddings.create(
+            model="emb", input="x", extra_body={"keep_alive": "5m"})
+    assert "keep_alive" in str(refused.value) and "'search'" in str(refused.value)
+    with server.client() as c:
+        err = error_of(c.post("/v1/embeddings", headers=bearer(keys[1]["search"]),
+                              json={"model": "emb", "input": "x", "keep_alive": 300}), 403)
+        assert (err["type"], err["param"]) == ("permission_error", "keep_alive")
+        bad = error_of(c.post("/v1/embeddings", headers=bearer(keys[1]["ops"]),
+                              json={"model": "emb", "input": "x", "keep_alive": "5x"}), 400)
+        assert "keep_alive" in str(bad["param"]) or "keep_alive" in bad["message"]
+    out = sdk(server, keys[1]["ops"]).embeddings.create(
+        model="emb", input="x", extra_body={"keep_alive": "5m"})
+    assert len(out.data) == 1
+
+
 def test_models_retrieve_hides_a_model_out_of_scope_as_if_missing(
         server: Running, keys: tuple[Path, dict[str, str]]) -> None:
     client = sdk(server, keys[1]["search"])

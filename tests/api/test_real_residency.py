@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from packserve.config import Config
-from packserve.core.events import EvictEvent, LoadEvent, LoadFailedEvent
+from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent
 from packserve.errors import ConfigError
 from packserve.server import build_scheduler
 from tests.factories import TEST_DEVICE, config_from, default_config, serve
@@ -304,11 +304,7 @@ def test_a_model_with_a_keep_alive_lets_go_when_idle_and_comes_back(models_dir: 
         assert c.post(chat[0], json={"model": "smollm2-135m-instruct", **chat[1]}).is_success
         embed = {"model": "all-minilm-l6-v2", "input": "a sentence to embed"}
         assert c.post("/v1/embeddings", json=embed).is_success
-        deadline = time.monotonic() + 60  # a bound on waiting, not a timing assertion
-        while not any(isinstance(e, EvictEvent) for e in server.events):
-            assert time.monotonic() < deadline, "the idle embedder was never let go"
-            time.sleep(0.1)
-        (event,) = [e for e in server.events if isinstance(e, EvictEvent)]
+        event = _the_eviction(server.events)
         assert (event.model, event.cause) == ("all-minilm-l6-v2", "idle")
         rows = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
         assert rows["all-minilm-l6-v2"]["state"] in ("warm", "cold")
@@ -318,3 +314,32 @@ def test_a_model_with_a_keep_alive_lets_go_when_idle_and_comes_back(models_dir: 
         held = (embedder["bytes_warm"] or 0) if embedder["state"] == "warm" else 0  # its copy
         assert used == rows["smollm2-135m-instruct"]["bytes_measured"] + held
         assert c.post("/v1/embeddings", json=embed).is_success  # back on its next request
+
+
+def test_a_requests_keep_alive_of_zero_lets_the_model_go_once_idle(models_dir: Path) -> None:
+    """Ollama's per-request keep_alive through the HTTP app and a real model: 0 lets the
+    embedder go as soon as its request ends (cause idle); the chat model stays."""
+    config = default_config(models_dir, only_models=["all-minilm-l6-v2",
+                                                     "smollm2-135m-instruct"])
+    with serve(config) as server, server.client() as c:
+        chat = REQUESTS["smollm2-135m-instruct"]
+        assert c.post(chat[0], json={"model": "smollm2-135m-instruct", **chat[1]}).is_success
+        r = c.post("/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "a sentence",
+                                           "keep_alive": 0})
+        assert r.is_success, r.text
+        event = _the_eviction(server.events)
+        assert (event.model, event.cause) == ("all-minilm-l6-v2", "idle")
+        assert "(keep_alive 0s)" in event.reason
+        rows = {m["name"]: m for m in c.get("/v1/residency").json()["models"]}
+        assert rows["smollm2-135m-instruct"]["state"] == "hot"
+
+
+def _the_eviction(events: list[Event]) -> EvictEvent:
+    """The one eviction `events` will hold: waited for, at most a minute (a bound on waiting,
+    not a timing assertion)."""
+    deadline = time.monotonic() + 60
+    while not any(isinstance(e, EvictEvent) for e in events):
+        assert time.monotonic() < deadline, "the idle model was never let go"
+        time.sleep(0.1)
+    (event,) = [e for e in events if isinstance(e, EvictEvent)]
+    return event

@@ -37,7 +37,7 @@ def test_due(state: State, keep_alive: float, cold_after: float, expected: float
 
 @pytest.mark.parametrize(("written", "seconds"), [
     ("5m", 300.0), ("90s", 90.0), ("1h30m", 5400.0), ("250ms", 0.25), (300, 300.0),
-    ("300", 300.0), ("never", INF), (-1, INF), ("-1", INF), (0, 0.0),
+    ("300", 300.0), ("never", INF), (-1, INF), ("-1", INF), (0, 0.0), (10**400, INF),
 ])
 def test_keep_alive_reads_ollamas_forms(written: object, seconds: float) -> None:
     assert DeviceConfig.model_validate({"keep_alive": written}).keep_alive == seconds

@@ -206,7 +206,7 @@ async def answer(s: Services, request: GenerationRequest, reply: Completion
     (api.tools). Each output is `finish`ed: after the lease is given back, unless streaming."""
     if request.stream and request.tools is None:
         return await _streamed(s, request, reply)
-    async with s.call(request.model, request.task, request.inputs) as call:
+    async with s.call(request.model, request.task, request.inputs, request.keep_alive) as call:
         wire = call.wire(request)
         if wire is not None:
             with contextlib.suppress(relay.Unreachable):  # then the engine's own way, below
@@ -250,7 +250,7 @@ async def event_stream(events: AsyncIterator[str | bytes]) -> StreamingResponse:
 
 async def _events(s: Services, request: GenerationRequest, reply: Completion
                   ) -> AsyncIterator[str | bytes]:
-    async with s.call(request.model, request.task, request.inputs) as call:
+    async with s.call(request.model, request.task, request.inputs, request.keep_alive) as call:
         wire = call.wire(request)
         # Each inner generator is closed here, inside the lease, however the stream ends.
         if wire is not None:

@@ -56,7 +56,8 @@ def chat_request(body: ChatRequest, models: Models) -> GenerationRequest:
                      if use is not None and spec.tool_prompt else None),
         inputs=Inputs(tuple(m.text for m in body.messages), "messages",
                       also=() if use is None else tool_texts(body, use)),
-        stream=body.stream, include_usage=body.include_usage, usage_per_chunk=continuous)
+        stream=body.stream, include_usage=body.include_usage, usage_per_chunk=continuous,
+        keep_alive=body.keep_alive)
 
 
 def completion_request(body: CompletionRequest, models: Models) -> GenerationRequest:
@@ -87,7 +88,8 @@ def completion_request(body: CompletionRequest, models: Models) -> GenerationReq
         prompts=tuple(body.prompts) if ids is None else tuple(tuple(row) for row in ids),
         inputs=Inputs(tuple(body.prompts), "prompt",
                       token_counts=tuple(len(row) for row in ids or ())),
-        stream=body.stream, include_usage=body.include_usage, usage_per_chunk=continuous)
+        stream=body.stream, include_usage=body.include_usage, usage_per_chunk=continuous,
+        keep_alive=body.keep_alive)
 
 
 def responses_request(body: ResponsesRequest, models: Models) -> GenerationRequest:
@@ -109,7 +111,7 @@ def responses_request(body: ResponsesRequest, models: Models) -> GenerationReque
                      for role, text in body.messages)
     return GenerationRequest(Task.CHAT, body.model, params, messages=messages,
                              inputs=Inputs(tuple(m.content for m in messages), "input"),
-                             stream=body.stream)
+                             stream=body.stream, keep_alive=body.keep_alive)
 
 
 def finished(request: GenerationRequest, out: Generated) -> Generated:

@@ -99,7 +99,7 @@ def status_of(out: Generated) -> Status:
 
 async def answer(s: Services, reply: Reply, request: GenerationRequest) -> dict[str, Any]:
     """Run `request` (a chat) on a lease of its model and answer with the whole response."""
-    async with s.call(request.model, request.task, request.inputs) as call:
+    async with s.call(request.model, request.task, request.inputs, request.keep_alive) as call:
         out = await call.generate(request)
     out = await finish(request, out)
     return reply.response(status_of(out), out)
@@ -113,7 +113,7 @@ async def stream(s: Services, reply: Reply, request: GenerationRequest) -> Strea
 
 async def _events(s: Services, reply: Reply, request: GenerationRequest
                   ) -> AsyncIterator[str]:
-    async with (s.call(request.model, request.task, request.inputs) as call,
+    async with (s.call(request.model, request.task, request.inputs, request.keep_alive) as call,
                 call.stream(request) as pieces):
         yield reply.event("response.created", response=reply.response("in_progress"))
         yield reply.event("response.in_progress", response=reply.response("in_progress"))

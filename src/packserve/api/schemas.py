@@ -8,14 +8,17 @@ from typing import Annotated, Literal, cast
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from packserve.core.backend import EXTENSIONS
+from packserve.units import parse_duration
 
 MAX_INPUTS = 2048
 MAX_DOCUMENTS = 1000
@@ -43,6 +46,10 @@ class _Body(BaseModel):
 
     model: NonEmpty
     user: Text | None = None  # accepted for OpenAI compatibility; not stored
+    # Ollama's: how long the model stays loaded once idle after this request ("5m", 300, 0:
+    # at once, -1: never); the last request's wins. Admin keys only where keys are configured.
+    keep_alive: Annotated[float, BeforeValidator(parse_duration), WithJsonSchema(
+        {"anyOf": [{"type": "number"}, {"type": "string"}]})] | None = None
 
 
 TokenId = Annotated[int, Field(ge=0)]

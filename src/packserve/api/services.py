@@ -22,7 +22,7 @@ from packserve.core.compute import TICKET, Gates
 from packserve.core.lease import Lease
 from packserve.core.request import Inputs
 from packserve.core.scheduler import Scheduler
-from packserve.errors import InvalidRequest, ModelNotFound
+from packserve.errors import Forbidden, InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
 
@@ -39,16 +39,21 @@ class Services:
     slo: SloConfig = field(default_factory=SloConfig)  # per model type; a model's slo_s wins
 
     @contextlib.asynccontextmanager
-    async def call(self, model: str, task: Task, inputs: Inputs | None = None
-                   ) -> AsyncIterator[Call]:
+    async def call(self, model: str, task: Task, inputs: Inputs | None = None,
+                   keep_alive: float | None = None) -> AsyncIterator[Call]:
         """A call of `model` for `task` on behalf of the request being served: a lease of
         the model, used through the `Call` this yields. `inputs` are held to the model's
         max_inputs and max_input_tokens. Raises PackserveErrors (see `api.errors`).
 
         The engine calls made through the `Call` compete for their device's compute by
-        deadline: the request's arrival here plus its SLO (`core.compute`)."""
+        deadline: the request's arrival here plus its SLO (`core.compute`). `keep_alive`: the
+        request's (Ollama's), for admin keys only where keys are configured."""
         arrived = time.monotonic()
         caller = CALLER.get()
+        if keep_alive is not None and caller is not None and not caller.admin:
+            raise Forbidden(f"keep_alive sets how long model {model!r} stays loaded for every "
+                            f"client: an admin key may send it; key {caller.name!r} is not one",
+                            param="keep_alive")
         spec = self.spec_of(model)
         inputs = inputs or Inputs(())
         if len(inputs.texts) > spec.max_inputs:
@@ -63,7 +68,8 @@ class Services:
             async with self.scheduler.acquire(
                     model, task, request_id=REQUEST_ID.get(),
                     key=caller.name if caller else "",
-                    weight=caller.weight if caller else 1.0, slo_s=slo_s) as lease:
+                    weight=caller.weight if caller else 1.0, slo_s=slo_s,
+                    keep_alive=keep_alive) as lease:
                 gate = self.gates.of(lease.runner.device)
                 ticket = gate.ticket(model, slo_s, arrived)
                 token = TICKET.set(ticket)  # travels into the engine's worker thread

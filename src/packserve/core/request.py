@@ -88,6 +88,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False  # a stream ends with a usage chunk
     usage_per_chunk: bool = False  # every streamed chunk carries the usage so far
+    keep_alive: float | None = None  # Ollama's: the model's idle seconds after it (None: config)
 
     @property
     def output(self) -> Output:

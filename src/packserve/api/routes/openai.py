@@ -49,7 +49,7 @@ async def embeddings(body: EmbeddingRequest, s: ServicesDep) -> Response:
     if ids is not None:
         check_engine(s.spec_of(body.model), token_ids="input")
     inputs = Inputs(body.texts, token_counts=[len(row) for row in ids or ()])
-    async with s.call(body.model, Task.EMBED, inputs) as call:
+    async with s.call(body.model, Task.EMBED, inputs, body.keep_alive) as call:
         out = await (call.embed(body.texts) if ids is None else call.embed_ids(ids))
     vectors = out.vectors.astype("<f4", copy=False)
     # Floats are written as the doubles the float32 values are (what `tolist()` gave), so that

@@ -17,8 +17,8 @@ router = APIRouter()
 
 async def rerank(body: RerankRequest, s: ServicesDep) -> dict[str, Any]:
     docs = body.texts
-    async with s.call(body.model, Task.RERANK,
-                       Inputs(docs, "documents", also=[body.query])) as call:
+    async with s.call(body.model, Task.RERANK, Inputs(docs, "documents", also=[body.query]),
+                      body.keep_alive) as call:
         out = await call.rerank(body.query, docs)
     order = sorted(range(len(docs)), key=lambda i: out.scores[i], reverse=True)
     results = []
