@@ -79,10 +79,10 @@ class ServerConfig(_Strict):
     # refused at start); relative ones from this file's folder. None (unset): this file's
     # folder, data_dir/models and the folders of the packages that `package:` sources name.
     model_roots: list[str] | None = Field(default=None, min_length=1)
-    load_wait_s: float = Field(default=120.0, gt=0)
+    load_wait_s: float = Field(default=120.0, gt=0, allow_inf_nan=False)
     # A load (or a device lock) running longer is wedged: the deep probe says so and the front
     # restarts the worker, charging the model whose load hung.
-    load_timeout_s: float = Field(default=600.0, gt=0)
+    load_timeout_s: float = Field(default=600.0, gt=0, allow_inf_nan=False)
     # Disk for models downloaded from the Hub (`hf:` sources, in data_dir/models/hf): past it,
     # the least recently used downloads of models no longer in the config are deleted. None:
     # no limit.
@@ -97,7 +97,7 @@ class ServerConfig(_Strict):
     drain_s: float = Field(default=25.0, ge=0, le=3600)
     # A model whose engine is charged with two crashes this close together stays failed until
     # an operator loads it again.
-    crash_window_s: float = Field(default=300.0, ge=0)
+    crash_window_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
     # API keys (packserve.auth): a TOML file of key digests, relative to this file. "": no keys,
     # every route open, and the server refuses any address but localhost unless open_to_anyone.
     keys_file: str = ""

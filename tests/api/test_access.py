@@ -101,9 +101,9 @@ def test_only_an_admin_key_may_send_keep_alive(
         server: Running, keys: tuple[Path, dict[str, str]]) -> None:
     """Ollama's per-request keep_alive changes the model for every client: a plain key gets
     403 naming the field, through the SDK as a client would send it (`extra_body`)."""
-    with pytest.raises(openai.PermissionDeniedError) as refused:
-        sdk(server, keys[1]["search"]).embeddings.create(
-            model="emb", input="x", extra_body={"keep_alive": "5m"})
+    with sdk(server, keys[1]["search"]) as plain, \
+            pytest.raises(openai.PermissionDeniedError) as refused:
+        plain.embeddings.create(model="emb", input="x", extra_body={"keep_alive": "5m"})
     assert "keep_alive" in str(refused.value) and "'search'" in str(refused.value)
     with server.client() as c:
         err = error_of(c.post("/v1/embeddings", headers=bearer(keys[1]["search"]),
@@ -112,8 +112,8 @@ def test_only_an_admin_key_may_send_keep_alive(
         bad = error_of(c.post("/v1/embeddings", headers=bearer(keys[1]["ops"]),
                               json={"model": "emb", "input": "x", "keep_alive": "5x"}), 400)
         assert "keep_alive" in str(bad["param"]) or "keep_alive" in bad["message"]
-    out = sdk(server, keys[1]["ops"]).embeddings.create(
-        model="emb", input="x", extra_body={"keep_alive": "5m"})
+    with sdk(server, keys[1]["ops"]) as admin:
+        out = admin.embeddings.create(model="emb", input="x", extra_body={"keep_alive": "5m"})
     assert len(out.data) == 1
 
 

@@ -152,3 +152,22 @@ async def test_a_requests_keep_alive_sets_the_models_until_the_next_request() ->
     await drain()
     assert h.state("a") is State.HOT and len(h.events.of(EvictEvent)) == 1
     await s.close()
+
+
+async def test_an_engine_whose_unload_raises_does_not_stop_the_others_letting_go(
+        caplog: pytest.LogCaptureFixture) -> None:
+    h = harness([entry("broken"), entry("fine")], budget_mib=1024, real_clock=True,
+                idle=IdleRule(keep_alive_s=0.02))
+    s = h.scheduler
+    await s.start()
+    await use(s, "broken")
+    (engine,) = h.built
+
+    def unload() -> None:
+        raise RuntimeError("the engine would not let go")
+
+    engine.unload = unload  # type: ignore[method-assign]
+    await use(s, "fine")
+    await h.events.wait_for(lambda e: isinstance(e, EvictEvent) and e.model == "fine")
+    assert "letting idle broken go failed; trying again in 30s" in caplog.text
+    await s.close()

@@ -214,6 +214,10 @@ def test_keys_scopes_and_limits_hold_at_the_entry_point(pool: Pool) -> None:
         scoped.models.retrieve(CHAT)
     with pytest.raises(openai.NotFoundError, match="no access"):
         scoped.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "x"}])
+    # Ollama's keep_alive changes the model for every client: an admin key's field, refused
+    # here at the entry point (the nodes behind it run without keys)
+    with pytest.raises(openai.PermissionDeniedError, match="keep_alive"):
+        scoped.embeddings.create(model=EMBED, input="x", extra_body={"keep_alive": 0})
     assert httpx.get(f"{url}/v1/pool", timeout=10, headers={
         "Authorization": f"Bearer {pool.keys['embed-only']}"}).status_code == 403
     slow = pool.client(pool.keys["slow"])

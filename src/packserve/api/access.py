@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from packserve.api.asgi import error_body
 from packserve.auth import Access, Key, KeyRing
+from packserve.errors import Forbidden
 
 OperatorViews = Literal["open", "admin"]
 
@@ -109,3 +110,13 @@ def may_call(model: str) -> bool:
     """Whether the request being served may use `model` (always, without keys)."""
     key = CALLER.get()
     return key is None or key.may_call(model)
+
+
+def check_keep_alive(model: str) -> None:
+    """Raise Forbidden unless the caller may send Ollama's `keep_alive`: it changes how long
+    `model` stays loaded for every client, so only an admin key may (anyone, without keys)."""
+    caller = CALLER.get()
+    if caller is not None and not caller.admin:
+        raise Forbidden(f"keep_alive sets how long model {model!r} stays loaded for every "
+                        f"client: an admin key may send it; key {caller.name!r} is not one",
+                        param="keep_alive")

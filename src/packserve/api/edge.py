@@ -87,6 +87,7 @@ class Sniffed:
 
     model: str | None
     stream: bool = False
+    keep_alive: bool = False  # it sets Ollama's keep_alive (an admin key's field)
 
 
 def sniff(body: bytes) -> Sniffed:
@@ -100,7 +101,8 @@ def sniff(body: bytes) -> Sniffed:
         return Sniffed(None)
     if not isinstance(value, dict) or not isinstance(value.get("model"), str):
         return Sniffed(None)
-    return Sniffed(value["model"], value.get("stream") is True)
+    return Sniffed(value["model"], value.get("stream") is True,
+                   value.get("keep_alive") is not None)
 
 
 def usage_tokens(body: bytes) -> int:

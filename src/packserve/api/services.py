@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from packserve import backends
-from packserve.api.access import CALLER, may_call
+from packserve.api.access import CALLER, check_keep_alive, may_call
 from packserve.api.asgi import REQUEST_ID
 from packserve.api.batching import Batchers
 from packserve.api.calls import Call, off_loop
@@ -22,7 +22,7 @@ from packserve.core.compute import TICKET, Gates
 from packserve.core.lease import Lease
 from packserve.core.request import Inputs
 from packserve.core.scheduler import Scheduler
-from packserve.errors import Forbidden, InvalidRequest, ModelNotFound
+from packserve.errors import InvalidRequest, ModelNotFound
 from packserve.metrics.telemetry import Telemetry
 from packserve.types import Task
 
@@ -50,10 +50,8 @@ class Services:
         request's (Ollama's), for admin keys only where keys are configured."""
         arrived = time.monotonic()
         caller = CALLER.get()
-        if keep_alive is not None and caller is not None and not caller.admin:
-            raise Forbidden(f"keep_alive sets how long model {model!r} stays loaded for every "
-                            f"client: an admin key may send it; key {caller.name!r} is not one",
-                            param="keep_alive")
+        if keep_alive is not None:
+            check_keep_alive(model)
         spec = self.spec_of(model)
         inputs = inputs or Inputs(())
         if len(inputs.texts) > spec.max_inputs:

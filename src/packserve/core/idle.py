@@ -13,10 +13,10 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from packserve.core.background import Changed
+from packserve.core.locks import DeviceLocks
 from packserve.core.residency import Residency
 from packserve.core.resident import Resident
 from packserve.core.tiers import Tiers
@@ -25,6 +25,9 @@ from packserve.types import State
 from packserve.units import format_duration
 
 log = logging.getLogger("packserve.scheduler")
+
+BUSY_RECHECK_S = 1.0  # a ripe model whose device's lock is held is looked at again after this
+FAILED_RETRY_S = 30.0  # a model whose move raised is tried again after this
 
 
 @dataclass(frozen=True)
@@ -52,14 +55,15 @@ class IdleReaper:
     wakes at the next expiry, and whenever a request ends or memory changes."""
 
     def __init__(self, residency: Residency, tiers: Tiers, changed: Changed,
-                 lock: Callable[[str, str], AbstractAsyncContextManager[None]], *,
-                 rules: Mapping[str, IdleRule], clock: Callable[[], float]) -> None:
+                 locks: DeviceLocks, *, rules: Mapping[str, IdleRule],
+                 clock: Callable[[], float]) -> None:
         self._residency = residency
         self._tiers = tiers
         self._changed = changed
-        self._lock = lock  # (device, who): the device's lock, bounded by load_wait_s
+        self._locks = locks
         self._rules = rules
         self._clock = clock
+        self._retry_at: dict[str, float] = {}  # a resident whose move failed: not before then
 
     def keep_alive_s(self, res: Resident) -> float:
         """The longest keep-alive of the models that use `res` (a model's own, else its
@@ -71,22 +75,27 @@ class IdleReaper:
     def due(self, res: Resident) -> float:
         """When `res` lets go for being idle now, or `math.inf`."""
         if (res.leases or res.flight.task is not None or not res.models
-                or self._residency.is_pinned(res)):
+                or self._residency.is_pinned(res)
+                or not all(self._residency.models[n].idle for n in res.models)):
             return math.inf
         rule = self._rules.get(res.load.device, IdleRule())
-        return due(res.state, res.last_used, self.keep_alive_s(res), rule.cold_after_s)
+        return max(due(res.state, res.last_used, self.keep_alive_s(res), rule.cold_after_s),
+                   self._retry_at.get(res.key, -math.inf))
 
     async def run(self) -> None:
         while True:
             changed = self._changed.event  # taken before looking, so no signal is missed
             now = self._clock()
             times = {res.key: self.due(res) for res in self._residency.residents.values()}
-            ripe = [k for k, at in times.items() if at <= now]
-            for key in ripe:
+            moved = False
+            for key in [k for k, at in times.items() if at <= now]:
                 res = self._residency.residents.get(key)
-                if res is not None:
+                if res is not None and self._locks.busy(res.load.device):
+                    times[key] = now + BUSY_RECHECK_S  # a load or unload runs there: later
+                elif res is not None:
                     await self._let_go(res)
-            if ripe:
+                    moved = True
+            if moved:
                 continue
             left = min(times.values(), default=math.inf) - now
             with contextlib.suppress(TimeoutError):
@@ -95,7 +104,7 @@ class IdleReaper:
 
     async def _let_go(self, res: Resident) -> None:
         try:
-            async with self._lock(res.load.device, f"letting idle {res.label} go"):
+            async with self._locks.hold(res.load.device, f"letting idle {res.label} go"):
                 if self.due(res) > self._clock():  # used, pinned or moved meanwhile
                     return
                 idle = self._clock() - res.last_used
@@ -107,6 +116,10 @@ class IdleReaper:
                     f"(keep_alive {format_duration(self.keep_alive_s(res))})", cause="idle")
         except ModelUnavailable as exc:
             log.warning("%s; trying again when the device is free", exc.message)
+        except Exception:  # an engine's unload that raised: that model waits, the rest go on
+            log.exception("letting idle %s go failed; trying again in %gs", res.label,
+                          FAILED_RETRY_S)
+            self._retry_at[res.key] = self._clock() + FAILED_RETRY_S
 
 
 def _first(*values: float | None) -> float:

@@ -30,6 +30,10 @@ class DeviceLocks:
         self._clock = clock
         self._wait_s = wait_s
 
+    def busy(self, device: str) -> bool:
+        """Whether `device`'s lock is held now (a look, not a wait)."""
+        return self._locks[device].locked()
+
     def held(self) -> dict[str, tuple[str, float]]:
         """Who holds each held lock, and since when (the scheduler's clock): the deep probe's
         reading, taken without waiting for anything."""

@@ -142,7 +142,7 @@ class Scheduler:
         self._evictions = Evictions(self._residency, self._tiers, self._emit)
         self._background = Background()  # pin retries, retirements
         self._retirer = Retirer(self._residency, self._tiers, self._changed, self._locks.hold)
-        self._idle = IdleReaper(self._residency, self._tiers, self._changed, self._locks.hold,
+        self._idle = IdleReaper(self._residency, self._tiers, self._changed, self._locks,
                                 rules=idle or {}, clock=clock)  # keep_alive, per device
         self._pins = PinKeeper(functools.partial(self._ensure_hot, ignore_cooldown=True),
                                self._background.spawn,
@@ -219,7 +219,7 @@ class Scheduler:
             raise TaskNotSupported(
                 f"model {name!r} does not do {task.value}; it does "
                 f"{', '.join(t.value for t in model.spec.tasks)}", param="model")
-        res, model.keep_alive = model.resident, keep_alive
+        res = model.resident
         slo = self._load_wait_s if slo_s is None else slo_s  # without one, load_wait_s
         visit = Visit(model=name, task=task, device=res.load.device, request_id=request_id,
                       key=key, entered=self._clock())
@@ -237,6 +237,7 @@ class Scheduler:
             raise
         res.leases += 1
         visit.slot = model.moved = self._clock()
+        model.keep_alive = keep_alive  # a request refused or gone before its slot sets nothing
         error: BaseException | None = None
         try:
             await self._ensure_hot(res, due=(visit.entered + slo,
@@ -350,7 +351,7 @@ class Scheduler:
         finally:
             release_holds(res, self._residency.residents)
             res.flight.reset_deadlines()
-            res.flight.task = res.flight.engine_since = None
+            res.flight.task = None
             res.flight.abandonable = False
             if res.state in (State.ADMITTING, State.LOADING):
                 res.move(res.at_rest())
@@ -429,7 +430,7 @@ class Scheduler:
                     continue
                 res.move(State.LOADING)
                 release_holds(res, self._residency.residents)
-                t_load = res.flight.engine_since = self._clock()
+                t_load = self._clock()
                 try:
                     await self._materialize(res)
                     return None
@@ -475,16 +476,17 @@ class Scheduler:
 
         Never abandoned: once the engine call has started, its outcome is published or undone.
         """
-        turn = res.flight.turn(self._clock())
-        if res.warm.kept and await self._tiers.restore(res, turn):
-            return
-        device = res.load.device
-        t0 = self._clock()
-
-        # No other model's objects alive: the live ones may be frozen out of the collector.
-        alone = not self._residency.holds_others(res)
-        self._emit(LoadStartEvent(model=res.label, device=device))
-        backend, measured = await self._loader.build(res.load, settle=alone, turn=turn)
+        turn, device = res.flight.turn(self._clock()), res.load.device
+        res.flight.engine_since = t0 = self._clock()  # the deep probe's: a load in its engine
+        try:
+            if res.warm.kept and await self._tiers.restore(res, turn):
+                return
+            # No other model's objects alive: the live ones may be frozen out of the collector.
+            alone = not self._residency.holds_others(res)
+            self._emit(LoadStartEvent(model=res.label, device=device))
+            backend, measured = await self._loader.build(res.load, settle=alone, turn=turn)
+        finally:  # what follows (a shed, a retry's evictions) is not the engine's load
+            res.flight.engine_since = None
         seconds = self._clock() - t0
         await self._loader.record(res.load, measured, res.label)
         # Within this process, keep the largest figure seen for these weights: a reload in a
@@ -551,9 +553,9 @@ class Scheduler:
     async def _operator_evict(self, name: str, doing: str, movable: tuple[State, ...],
                               tier: Callable[[Resident], State], reason: str) -> None:
         res = self._residency.model(name).resident
-        if self._residency.is_pinned(res):
-            raise Conflict(f"model {res.label} is pinned; unpin it first")
         async with self._device_lock(res.load.device, f"{doing} {res.label}"):
+            if self._residency.is_pinned(res):  # under the lock: a pin may come while it waits
+                raise Conflict(f"model {res.label} is pinned; unpin it first")
             if res.state not in movable:
                 return
             if res.leases:
@@ -581,6 +583,7 @@ class Scheduler:
 
     def unpin(self, name: str) -> None:
         self._residency.model(name).pinned = False
+        self._changed.fire()  # its keep-alive may run from now on
 
     def quarantine(self, name: str, reason: str) -> None:
         """Mark `name`'s weights FAILED with `reason` until an operator loads them again.

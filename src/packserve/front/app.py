@@ -401,6 +401,11 @@ async def _after_failure(front: Front, worker: Worker, call: _Call,
 
 
 def _crash_message(crash: Crash, model: str, task: str) -> str:
+    if model not in crash.charged:  # the worker was restarted for another model's hung load
+        return (f"the worker serving model {model!r} was restarted while running this {task} "
+                f"request, because the load of {', '.join(crash.charged) or 'a model'} hung "
+                f"past load_timeout_s; a {task} is not sent again because it may not repeat; a "
+                f"new worker serves the next requests")
     tail = (f"; {model} is now failed until an operator loads it (second crash within "
             f"crash_window_s)" if model in crash.quarantined else
             "; a new worker serves the next requests (pinned models load at once, the others "

@@ -427,6 +427,8 @@ class Supervisor:
                     charged.setdefault(name, "loading")
         quarantined = []
         window = self.config.server.crash_window_s
+        if worker.wedged is not None:  # two hung loads are at least load_timeout_s apart
+            window += self.config.server.load_timeout_s
         for model, doing in charged.items():
             times = self._charges.setdefault(model, deque(maxlen=8))
             times.append(now)

@@ -40,7 +40,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from packserve.api.access import CALLER, Authenticate, may_call
+from packserve.api.access import CALLER, Authenticate, check_keep_alive, may_call
 from packserve.api.asgi import REQUEST_ID, BodyLimit, CancelOnDisconnect, RequestId, error_body
 from packserve.api.edge import (
     KeyHold,
@@ -54,7 +54,7 @@ from packserve.api.edge import (
 from packserve.api.stream_end import StreamEnd
 from packserve.auth import KeyLimits, KeyRing
 from packserve.config import Config
-from packserve.errors import RateLimited
+from packserve.errors import Forbidden, RateLimited
 from packserve.pool.app import SHARED, groups
 from packserve.pool.node import Relay, ReplicaReply
 from packserve.pool.router import ROUTERS
@@ -178,8 +178,10 @@ def create_entry_app(pool: Pool) -> ASGIApp:
                                   f"{', '.join(visible) or 'no model'}", "invalid_request_error",
                                   "model_not_found", param="model")
         try:
+            if sniffed.keep_alive:  # the nodes run without keys: their check never sees it
+                check_keep_alive(model)
             hold = KeyHold.admit(pool.limits, CALLER.get())
-        except RateLimited as exc:
+        except (Forbidden, RateLimited) as exc:
             return error_of(exc)
         try:
             if stream:  # the stream releases it when it ends
