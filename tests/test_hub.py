@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import pytest
 
 from packserve.config import Config
@@ -37,6 +38,9 @@ def standin(repos: dict[str, hs.Repo], monkeypatch: pytest.MonkeyPatch) -> Itera
     server, url = hs.start(st)
     monkeypatch.setenv("HF_ENDPOINT", url)
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    # As the sentence-transformers engines leave huggingface_hub in a process that loaded one
+    # (HF_HUB_OFFLINE=1 before its import): packserve's own Hub client reaches the Hub anyway.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     try:
         yield st
     finally:

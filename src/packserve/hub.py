@@ -58,6 +58,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _SKIPPED = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".h5", ".msgpack", ".onnx",
             ".onnx_data", ".ot", ".tflite", ".mlmodel", ".py", ".gguf", ".joblib", ".npz")
 _MARKERS = ".packserve"
+# The operator's HF_HUB_OFFLINE, as packserve started (this module is imported at start, before
+# any engine): the sentence-transformers engines set it in the process to keep their library
+# off any hub, and huggingface_hub reads it once, at import, for everything in the process.
+_OPERATOR_OFFLINE = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "on"}
 _HEAD_START = 1 << 20  # the first ranged read of a GGUF header (doubled until it fits)
 _HEAD_MAX = 512 << 20
 
@@ -272,6 +276,7 @@ class Hub:
             known = self._plans.get(source)
         if known is not None:
             return known
+        _online()
         from huggingface_hub import HfApi
 
         api = HfApi(endpoint=self.access.endpoint, token=self.access.token or False)
@@ -335,6 +340,7 @@ class Hub:
 
     def _read(self, plan: Plan, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of `name`: one ranged GET."""
+        _online()
         from huggingface_hub import get_session, hf_raise_for_status
 
         try:
@@ -411,6 +417,7 @@ class Hub:
         return safetensors_facts(path, headers, sum(f.size for f in weights), config)
 
     def _whole(self, plan: Plan, name: str) -> bytes:
+        _online()
         from huggingface_hub import get_session, hf_raise_for_status
 
         try:
@@ -478,6 +485,7 @@ class Hub:
 
     def _fetch_file(self, plan: Plan, file: HubFile, part: Path, folder: Path,
                     step: Callable[[int], None]) -> None:
+        _online()
         from huggingface_hub.file_download import http_get
         from huggingface_hub.utils.tqdm import silent_tqdm
 
@@ -589,3 +597,11 @@ class HubFetcher:
             self._hub.fetch(source, progress)
             if self._after is not None:
                 self._after()
+
+
+def _online() -> None:
+    """Let packserve's own Hub client reach the Hub it is pointed at, whatever an engine set in
+    the process's environment; offline only if the operator said so (HF_HUB_OFFLINE)."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = _OPERATOR_OFFLINE

@@ -17,7 +17,7 @@ from packserve.core.events import RequestEvent
 from packserve.core.scheduler import Scheduler
 from packserve.metrics.telemetry import Telemetry, percentile
 from packserve.types import Task
-from tests.factories import Running
+from tests.factories import FakeProbe, Running
 
 MIB = 1 << 20
 
@@ -133,7 +133,7 @@ def test_refused_requests_are_counted_but_not_timed(tmp_path: Path) -> None:
     load = LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu", context_length=0)
     scheduler = Scheduler([Entry(spec=spec, load=load, bytes_estimated=MIB)],
                           [DeviceBudget("cpu", 10 * MIB, 0)], factory=lambda s: None,  # type: ignore[arg-type,return-value]
-                          probe=None, sinks=())  # type: ignore[arg-type]
+                          probe=FakeProbe(), sinks=())
     t = Telemetry(scheduler, prices={"cpu": 1.0}, default_price=1.0, currency="EUR")
     t.on_event(RequestEvent(model="m", task="embed", device="cpu", queue_seconds=0,
                             load_seconds=0, inference_seconds=0, status=429,
@@ -148,7 +148,7 @@ def _telemetry(clock: list[float]) -> Telemetry:
     load = LoadSpec(backend="fake", path=Path("fake:1MiB"), device="cpu", context_length=0)
     scheduler = Scheduler([Entry(spec=spec, load=load, bytes_estimated=MIB)],
                           [DeviceBudget("cpu", 10 * MIB, 0)], factory=lambda s: None,  # type: ignore[arg-type,return-value]
-                          probe=None, sinks=())  # type: ignore[arg-type]
+                          probe=FakeProbe(), sinks=())
     return Telemetry(scheduler, prices={"cpu": 1.0}, default_price=1.0, currency="EUR",
                      window_s=100.0, clock=lambda: clock[0])
 
