@@ -238,20 +238,20 @@ def test_a_worker_killed_mid_stream_is_an_api_error_in_the_openai_sdk(
     srv = served
     with srv.client() as c:
         assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
-    client = openai_client(srv.url)
     text = "streamed @@sleep=30"
     chunks: Iterator[object]
-    if route == "chat":
-        chunks = iter(client.chat.completions.create(
-            model="gen", messages=[{"role": "user", "content": text}], stream=True))
-    else:
-        chunks = iter(client.completions.create(model="gen", prompt=text, stream=True))
-    next(chunks)  # it has started
-    pid = srv.worker_pid()
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(openai.APIError) as caught:
-        for _ in chunks:
-            pass
+    with openai_client(srv.url) as client:  # closed: a socket left to the collector is an error
+        if route == "chat":
+            chunks = iter(client.chat.completions.create(
+                model="gen", messages=[{"role": "user", "content": text}], stream=True))
+        else:
+            chunks = iter(client.completions.create(model="gen", prompt=text, stream=True))
+        next(chunks)  # it has started
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError) as caught:
+            for _ in chunks:
+                pass
     assert caught.value.code == "engine_crashed", caught.value.body
     assert "SIGKILL" in caught.value.message and "'gen'" in caught.value.message
     assert isinstance(caught.value.body, dict) and caught.value.body["type"] == "model_unavailable"
@@ -265,13 +265,14 @@ def test_a_worker_killed_mid_stream_is_a_failed_response_in_the_openai_sdk(
     srv = served
     with srv.client() as c:
         assert c.post(CHAT, json=chat_body("warm")).status_code == 200  # running, not loading
-    events = iter(openai_client(srv.url).responses.create(
-        model="gen", input="streamed @@sleep=30", stream=True))
-    created = next(events)
-    assert created.type == "response.created"
-    pid = srv.worker_pid()
-    os.kill(pid, signal.SIGKILL)
-    error = assert_response_failed([created, *events], "engine_crashed")
+    with openai_client(srv.url) as client:
+        events = iter(client.responses.create(model="gen", input="streamed @@sleep=30",
+                                              stream=True))
+        created = next(events)
+        assert created.type == "response.created"
+        pid = srv.worker_pid()
+        os.kill(pid, signal.SIGKILL)
+        error = assert_response_failed([created, *events], "engine_crashed")
     assert "SIGKILL" in error.message and "'gen'" in error.message
     srv.wait_ready(other_than_pid=pid)
 
