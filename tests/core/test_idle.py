@@ -4,6 +4,7 @@ events, bounded by TIMEOUT; nothing asserts a time)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -170,4 +171,21 @@ async def test_an_engine_whose_unload_raises_does_not_stop_the_others_letting_go
     await use(s, "fine")
     await h.events.wait_for(lambda e: isinstance(e, EvictEvent) and e.model == "fine")
     assert "letting idle broken go failed; trying again in 30s" in caplog.text
+    await s.close()
+
+
+async def test_an_operators_load_of_a_model_that_lets_go_at_once_returns_once_it_was_hot() -> None:
+    """With keep_alive 0 the reaper woke when the load published, ahead of the operator's
+    `load` waiting for it, let the model go, and the load started again: a livelock that held
+    `POST /v1/residency/NAME/load` until the client gave up (seen in the API fuzzer). The load
+    returns once hot; the model lets go after it, as its keep-alive says."""
+    h = harness([entry("a")], budget_mib=1024, real_clock=True, idle=IdleRule(keep_alive_s=0.0))
+    s = h.scheduler
+    await s.start()
+    for n in range(1, 4):
+        async with asyncio.timeout(TIMEOUT):
+            await s.load("a")
+        await h.events.wait_for(lambda e, n=n: len(_idle_evictions(h.events.of(EvictEvent))) == n)
+        assert h.state("a") is State.COLD
+    assert len(h.built) == 3  # one load each, none undone before the operator saw it
     await s.close()

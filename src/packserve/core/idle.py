@@ -74,7 +74,9 @@ class IdleReaper:
 
     def due(self, res: Resident) -> float:
         """When `res` lets go for being idle now, or `math.inf`."""
-        if (res.leases or res.flight.task is not None or not res.models
+        # `callers`: a load just ended, and those who awaited it (an operator's load, a pin)
+        # have not run yet; letting go now would undo it before they see it hot, over and over.
+        if (res.leases or res.flight.task is not None or res.flight.callers or not res.models
                 or self._residency.is_pinned(res)
                 or not all(self._residency.models[n].idle for n in res.models)):
             return math.inf

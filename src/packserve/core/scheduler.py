@@ -314,6 +314,8 @@ class Scheduler:
                 res.flight.callers -= 1
                 if res.flight.callers == 0 and res.flight.abandonable and not task.done():
                     task.cancel()  # nobody waits any more, and it holds nothing yet
+                elif res.flight.callers == 0:
+                    self._changed.fire()  # its keep-alive may run from now on
 
     def _start_load(self, res: Resident) -> asyncio.Task[None]:
         res.move(State.ADMITTING)
@@ -510,8 +512,6 @@ class Scheduler:
         await self._evictions.shed(device, f"{res.label} measured more than its estimate",
                          cause="overshoot", keep=res)
         self._changed.fire()
-
-    # ----------------------------------------------------------------- unloading
 
     # ----------------------------------------------------------------- waiting
 
