@@ -5,6 +5,7 @@ events, bounded by TIMEOUT; nothing asserts a time)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from packserve.core.events import EvictEvent
 from packserve.core.idle import IdleRule, due
 from packserve.types import State, Task
 from tests.factories import MIB, TIMEOUT, drain, entry, harness, hold, use
+from tests.factories.scheduler import Recorder
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(4 * TIMEOUT)]
 
@@ -58,6 +60,10 @@ def test_keep_alive_survives_the_json_the_front_hands_the_worker(written: str) -
 
 def test_keep_alive_is_never_by_default() -> None:
     assert (DeviceConfig().keep_alive, DeviceConfig().cold_after) == (INF, INF)
+
+
+def _idle_count_is(recorder: Recorder, n: int, _event: object) -> bool:
+    return len(_idle_evictions(recorder.of(EvictEvent))) == n
 
 
 def _idle_evictions(events: list[EvictEvent]) -> list[tuple[str, str]]:
@@ -185,7 +191,7 @@ async def test_an_operators_load_of_a_model_that_lets_go_at_once_returns_once_it
     for n in range(1, 4):
         async with asyncio.timeout(TIMEOUT):
             await s.load("a")
-        await h.events.wait_for(lambda e, n=n: len(_idle_evictions(h.events.of(EvictEvent))) == n)
+        await h.events.wait_for(functools.partial(_idle_count_is, h.events, n))
         assert h.state("a") is State.COLD
     assert len(h.built) == 3  # one load each, none undone before the operator saw it
     await s.close()

@@ -16,9 +16,11 @@ from packserve.core.memory import (
     PER_PROCESS,
     RSS,
     SystemProbe,
+    family,
     in_child_pid_namespace,
     mapped_file_bytes,
     nvidia_driver,
+    others_device_bytes,
 )
 
 NO_DRIVER = not any(Path(p).exists() for p in NVIDIA_DRIVER_PATHS)
@@ -172,3 +174,21 @@ def test_the_namespace_is_read_from_nspid(tmp_path: Path) -> None:
     for line, inside in (("NSpid:\t812\t7", True), ("NSpid:\t812", False)):
         (tmp_path / "status").write_text(f"Name:\tx\n{line}\n")
         assert in_child_pid_namespace(str(tmp_path / "status")) is inside
+
+
+def test_other_processes_are_those_outside_this_one_and_its_runners(tmp_path: Path) -> None:
+    for pid, ppid, comm in ((100, 1, "packserve"), (4242, 100, "llama-server"),
+                            (4243, 4242, "a (weird) name"), (200, 1, "vllm")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) S {ppid} 1 1 0 -1\n")
+    ours = family(100, tmp_path)
+    assert ours == {100, 4242, 4243}
+    nvml = FakeNvml({100: 1 << 30, 4242: 2 << 30, 200: 5 << 30})
+    assert others_device_bytes(nvml, 0, ours) == 5 << 30
+    p = SystemProbe(gpu=lambda: nvml, pid=100, namespaced=lambda: False,
+                    family=lambda pid: family(pid, tmp_path))
+    assert (p.others_bytes("cuda:0"), p.others_bytes("cpu")) == (5 << 30, None)
+    assert others_device_bytes(FakeNvml(None), 0, ours) is None  # MIG: no list
+    assert others_device_bytes(FakeNvml({100: None}), 0, ours) is None
+    hidden = SystemProbe(gpu=lambda: nvml, pid=100, namespaced=lambda: True)
+    assert hidden.others_bytes("cuda:0") is None  # a container: NVML's pids are the host's

@@ -60,6 +60,12 @@ class FakeProbe:
     def accounting(self, device: str) -> str:
         return "rss" if device == "cpu" else "per_process"
 
+    def others_bytes(self, device: str) -> int | None:
+        return None if device == "cpu" else 0
+
+    def open_device(self, device: str) -> None:
+        pass
+
 
 class Clock:
     """A scheduler clock that moves only when the test says so."""

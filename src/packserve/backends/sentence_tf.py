@@ -6,6 +6,7 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import json
@@ -147,6 +148,7 @@ _DTYPES = {"F64": "torch.float64", "F32": "torch.float32", "F16": "torch.float16
 class _TorchBackend(Backend):
     _model: Any = None
     _warm: tuple[_WarmPart, ...] = ()  # while its weights are given back
+    _parked: int = 0  # on a GPU, while warm: bytes of its weights parked in host RAM
 
     def __post_init__(self) -> None:
         # One tokenizer per load, shared by every name that uses it (an embedder and a
@@ -353,10 +355,14 @@ class _TorchBackend(Backend):
         }
 
     def release_weights(self) -> bool:
-        """Warm: swap every weight for a meta tensor (no storage) and keep the modules and the
-        tokenizer. Only when each weight can be read back from a safetensors file of its
-        module's directory, by name and shape (no tied weights); otherwise False and nothing
-        changed."""
+        """Warm: on a GPU, park every weight and buffer in pinned host RAM (they come back by a
+        copy: vLLM's sleep level 1); on the CPU, swap every weight for a meta tensor (no
+        storage) and keep the modules and the tokenizer, only when each weight can be read back
+        from a safetensors file of its module's directory, by name and shape (no tied
+        weights); otherwise False and nothing changed."""
+        if self.spec.device.startswith("cuda"):
+            self._park()
+            return True
         plan = _warm_plan(self._model, self.spec.path)
         if plan is None:
             return False
@@ -366,9 +372,38 @@ class _TorchBackend(Backend):
         self._warm = plan
         return True
 
+    def _park(self) -> None:
+        """Move the weights to host RAM, pinned where the driver allows (a copy back runs at
+        the bus's speed), and hand the device's blocks back."""
+        import torch
+
+        self._drop_graph()
+        self._model.to("cpu")
+        for tensor in self._model.parameters():
+            with contextlib.suppress(RuntimeError):  # pinned memory refused: pageable it stays
+                tensor.data = tensor.data.pin_memory()
+        for name, buffer in list(self._model.named_buffers()):
+            owner, _, leaf = name.rpartition(".")
+            with contextlib.suppress(RuntimeError):
+                setattr(self._model.get_submodule(owner), leaf, buffer.pin_memory())
+        tensors = [*self._model.parameters(), *self._model.buffers()]
+        self._parked = int(sum(t.numel() * t.element_size() for t in tensors))
+        torch.cuda.empty_cache()
+
+    def host_bytes(self) -> int:
+        return self._parked
+
     def restore_weights(self) -> None:
-        """Warm -> hot: read each module's weights back from its safetensors files (the same
-        files, or it raises and the scheduler loads the model anew)."""
+        """Warm -> hot: on a GPU, copy the parked weights back; on the CPU, read each module's
+        weights back from its safetensors files (the same files, or it raises and the
+        scheduler loads the model anew)."""
+        if self._parked:
+            import torch
+
+            self._model.to(self.spec.device, non_blocking=True)
+            torch.cuda.synchronize(self.spec.device)
+            self._parked = 0
+            return
         from safetensors import safe_open
 
         _default_threads()  # a scheduler thread, maybe new since the shard threads
@@ -393,13 +428,14 @@ class _TorchBackend(Backend):
         self._drop_graph()
         self._model = None
         self._warm = ()
+        self._parked = 0
         for pool in (self._thread, self._shards):
             if pool is not None:  # idle (no lease is left): its threads end before the next
                 pool.shutdown(wait=True)  # load is measured, not during it
         self._thread = self._shards = None
 
     def weight_bytes(self) -> int:
-        if self._model is None or self._warm:
+        if self._model is None or self._warm or self._parked:
             return 0
         tensors = [*self._model.parameters(), *self._model.buffers()]
         return int(sum(t.numel() * t.element_size() for t in tensors))

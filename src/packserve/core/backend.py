@@ -233,6 +233,13 @@ class Backend:
         changed; the scheduler unloads it. Called like `unload()`."""
         return False
 
+    def host_bytes(self) -> int:
+        """Bytes of host RAM its warm copy keeps: a model on a GPU that parked its weights in
+        (pinned) host memory to come back by a copy; 0 where the warm copy keeps none there
+        (an engine that reads its weights back from their file). They count against the
+        `cpu` device's budget."""
+        return 0
+
     def restore_weights(self) -> None:
         """Warm -> hot, after a `release_weights()` that returned True; called like `load()`.
         If it raises, the scheduler unloads the backend and loads the model anew."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from packserve.core.background import Changed
 from packserve.core.locks import DeviceLocks
-from packserve.core.residency import Residency
+from packserve.core.residency import HOST, Residency
 from packserve.core.resident import Resident
 from packserve.core.tiers import Tiers
 from packserve.errors import ModelUnavailable
@@ -103,6 +103,26 @@ class IdleReaper:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(None if math.isinf(left) else left):
                     await changed.wait()
+
+    async def reclaim_host(self, res: Resident) -> bool:
+        """Let warm copies of GPU models go cold, least recently used first, until host RAM
+        has room for `res`, a load on the CPU that waits for it; each under its own device's
+        lock (the caller holds none). Whether any went."""
+        went = False
+        while self._residency.used(HOST) + res.bytes > self._residency.capacity(HOST):
+            copies = sorted((r for r in self._residency.residents.values()
+                             if r.state is State.WARM and r.warm.host_bytes),
+                            key=lambda r: r.last_used)
+            if not copies:
+                break
+            victim = copies[0]
+            async with self._locks.hold(victim.load.device, f"reclaiming host RAM for "
+                                        f"{res.label}"):
+                if victim.state is State.WARM:  # still: nothing restored it meanwhile
+                    await self._tiers.evict_to(victim, State.COLD, f"host RAM for {res.label}",
+                                               cause="make_room")
+                    went = True
+        return went
 
     async def _let_go(self, res: Resident) -> None:
         try:

@@ -10,6 +10,7 @@ executor, never on the loop and never in the default pool that inference uses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import functools
 import json
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 from packserve import atomic
 from packserve.core.backend import Backend, BackendFactory, LoadSpec
 from packserve.core.memory import MemoryProbe
+from packserve.core.status import DeviceStatus
 
 log = logging.getLogger("packserve.scheduler")
 
@@ -138,6 +140,9 @@ class Loader:
         self.factory = factory
         self.probe = probe
         self.store = store
+        # Per CUDA device, what this process held there before its first load, its context
+        # opened: its base, counted once, never in a model's bytes.
+        self.base: dict[str, int] = {}
         # One device lock admits one load or unload at a time, so a worker per device
         # suffices: 32 reranks in flight must not starve an unload holding a device lock.
         # They run at `nice` (nice is per thread on Linux): resident models keep serving while
@@ -145,6 +150,22 @@ class Loader:
         self._executor = ThreadPoolExecutor(max_workers=max(2, devices),
                                             thread_name_prefix="packserve-load",
                                             initializer=functools.partial(_be_nice, nice))
+
+    def room(self, device: str) -> int | None:
+        """What `device` has for models now: its total less other processes' bytes and this
+        process's base; None where other processes' bytes are unknown (the CPU, MIG, a PID
+        namespace)."""
+        others = self.probe.others_bytes(device)
+        if others is None:
+            return None
+        return self.probe.total_bytes(device) - others - self.base.get(device, 0)
+
+    def read(self, row: DeviceStatus) -> DeviceStatus:
+        """`row` with what the probe says of its device: how its bytes are counted, this
+        process's base there and what other processes hold."""
+        return dataclasses.replace(row, accounting=self.probe.accounting(row.name),
+                                   base_bytes=self.base.get(row.name),
+                                   others_bytes=self.probe.others_bytes(row.name))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run a blocking lifecycle call (load, unload, release, footprint write) off the loop,
@@ -179,6 +200,10 @@ class Loader:
             backend.prepare()
             if settle:
                 probe.settle()
+            if device.startswith("cuda") and device not in self.base:  # its context first
+                probe.open_device(device)
+                probe.release(device)
+                self.base[device] = probe.used_bytes(device)
             probe.release(device)
             before = probe.used_bytes(device)
             try:

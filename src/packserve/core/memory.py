@@ -52,6 +52,18 @@ class MemoryProbe(Protocol):
         residency view."""
         ...
 
+    def others_bytes(self, device: str) -> int | None:
+        """What processes outside this one and its children (runners) hold on the device: NVML's
+        per-process figures on `cuda:N`; None where there are none (the CPU, MIG, a container's
+        PID namespace). Read for the residency view and to plan loads within what is free."""
+        ...
+
+    def open_device(self, device: str) -> None:
+        """Before the first load on a CUDA device in this process: open the process's CUDA
+        context there (with the engine library already imported), so that the context is this
+        process's base, not the first model's bytes. Nothing on the CPU."""
+        ...
+
     def mapped_file_bytes(self, device: str, path: Path) -> int:
         """Bytes of the files at or under `path` (a model's weights) mapped into this process,
         resident or not. Called before and after a model gives its weights back (the warm
@@ -72,6 +84,34 @@ class GpuMemory(Protocol):
         """(pid, bytes) of each process on device `index` (bytes None where NVML does not say),
         or None where NVML gives no per-process list (MIG, some drivers)."""
         ...
+
+
+class CudaRuntime(Protocol):
+    """The CUDA runtime of this process as the probe uses it; `TorchCuda` is the real one (it
+    acts only where a torch engine imported torch), tests pass a fake."""
+
+    def open(self, device: str) -> None:
+        """Open this process's context on `device` (idempotent)."""
+        ...
+
+    def empty_cache(self, device: str) -> None:
+        """Hand the blocks the caching allocator keeps reserved but unused back to the driver."""
+        ...
+
+
+class TorchCuda:
+    """torch's CUDA runtime, where torch was imported (by a torch engine): a process serving only
+    llama.cpp models never imports it; llama.cpp opens its own context in its load."""
+
+    def open(self, device: str) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            torch.empty(0, device=device)  # the context, without a block held
+
+    def empty_cache(self, device: str) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
 
 class Nvml:
@@ -108,6 +148,32 @@ def in_child_pid_namespace(status: str = "/proc/self/status") -> bool:
     return False
 
 
+def family(pid: int, proc: Path = Path("/proc")) -> frozenset[int]:
+    """`pid` and its descendants (a worker and its runner processes), from /proc's ppid fields."""
+    children: dict[int, list[int]] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text(encoding="ascii", errors="replace")
+            ppid = int(text[text.rindex(")") + 2:].split()[1])  # after "(comm) state"
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+    seen, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return frozenset(seen)
+
+
+def others_device_bytes(gpu: GpuMemory, index: int, ours: frozenset[int]) -> int | None:
+    """What the processes not in `ours` hold on device `index` by NVML's per-process figures,
+    or None when those are unavailable."""
+    procs = gpu.processes(index)
+    if procs is None or any(used is None for _, used in procs):
+        return None
+    return sum(used or 0 for p, used in procs if p not in ours)
+
+
 def process_device_bytes(gpu: GpuMemory, index: int, pid: int) -> int | None:
     """What process `pid` holds on device `index` by NVML's per-process figure (0 when it is not
     listed: no CUDA context there yet), or None when per-process figures are unavailable."""
@@ -123,7 +189,9 @@ class SystemProbe:
     namespace hides it from NVML)."""
 
     def __init__(self, gpu: Callable[[], GpuMemory] = Nvml, pid: int | None = None,
-                 namespaced: Callable[[], bool] = in_child_pid_namespace) -> None:
+                 namespaced: Callable[[], bool] = in_child_pid_namespace,
+                 cuda: CudaRuntime | None = None,
+                 family: Callable[[int], frozenset[int]] = family) -> None:
         libc_name = ctypes.util.find_library("c")
         self._libc = ctypes.CDLL(libc_name) if libc_name else None
         self._settled_modules = 0  # len(sys.modules) when the live objects were last frozen
@@ -131,6 +199,8 @@ class SystemProbe:
         self._gpu: GpuMemory | None = None
         self._pid = os.getpid() if pid is None else pid
         self._namespaced = namespaced
+        self._cuda = cuda or TorchCuda()
+        self._family = family
 
     def gpu(self) -> GpuMemory:
         if self._gpu is None:
@@ -160,11 +230,19 @@ class SystemProbe:
             resident_pages = int(f.read().split()[1])
         return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
+    def others_bytes(self, device: str) -> int | None:
+        if not device.startswith("cuda") or self._namespaced():
+            return None
+        return others_device_bytes(self.gpu(), _index(device), self._family(self._pid))
+
+    def open_device(self, device: str) -> None:
+        if device.startswith("cuda"):
+            self._cuda.open(device)
+
     def release(self, device: str) -> None:
         gc.collect()
-        torch = sys.modules.get("torch")  # only where a torch engine imported it
-        if device.startswith("cuda") and torch is not None:
-            torch.cuda.empty_cache()
+        if device.startswith("cuda"):
+            self._cuda.empty_cache(device)
         # glibc keeps freed heap pages; without this RSS would not fall after an unload and the
         # next load's measured delta would be too small.
         trim = getattr(self._libc, "malloc_trim", None)

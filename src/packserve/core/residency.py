@@ -19,6 +19,7 @@ from packserve.core.policy import (
     Admission,
     CostAware,
     ResidentView,
+    Verdict,
     VictimPolicy,
     arrival_rate,
     pins_fit,
@@ -38,6 +39,8 @@ from packserve.errors import ConfigError, ModelNotFound, PinsDoNotFit
 from packserve.types import State
 from packserve.units import format_bytes
 
+HOST = "cpu"  # the device whose budget host RAM is: warm copies of GPU models count there
+
 
 class Residency:
     """What is served and where it stands. Invariants: every model's resident is in
@@ -48,11 +51,15 @@ class Residency:
     def __init__(self, entries: Sequence[Entry], devices: Iterable[DeviceBudget],
                  measured: Mapping[str, int | None], *, clock: Callable[[], float],
                  wall_offset: float, victim_policy: VictimPolicy | Mapping[str, VictimPolicy]
-                 | None, warm_tier: Iterable[str], turns: bool) -> None:
+                 | None, warm_tier: Iterable[str], turns: bool,
+                 room: Callable[[str], int | None] | None = None) -> None:
         """`measured`: each resident key's stored footprint, or None. `victim_policy`:
         packserve's rule, or one per device (the config's `eviction`; the bench swaps in other
         engines' rules). `warm_tier`: devices whose evictions keep an engine's objects and give
-        back only its weights. `turns`: admission may hold busy models for a load's turn."""
+        back only its weights. `turns`: admission may hold busy models for a load's turn.
+        `room`: what a device has for models at all, now: its total less what other processes
+        and this process's base (its CUDA context) hold there; None where unknown (the CPU).
+        No load is planned past it, whatever the budget says."""
         self._clock = clock
         self._wall_offset = wall_offset
         self._policies: Mapping[str, VictimPolicy] | None = (
@@ -62,6 +69,7 @@ class Residency:
             else CostAware())
         self._warm_tier = frozenset(warm_tier)
         self._turns = turns
+        self._room = room
         self.devices = {d.name: d for d in devices}
         self.residents: dict[str, Resident] = {}
         self.models: dict[str, Model] = {}
@@ -104,9 +112,24 @@ class Residency:
                 f"{limit}; it was unloaded")
 
     def goes_warm(self, res: Resident) -> bool:
-        """Whether an eviction of `res` now would try the warm tier."""
+        """Whether an eviction of `res` now would try the warm tier: a warm copy that parks
+        weights in host RAM (a GPU model's) only if the `cpu` budget has room for it."""
         return (res.load.device in self._warm_tier and res.warm.possible is not False
-                and res.quarantine is None and bool(res.models))
+                and res.quarantine is None and bool(res.models) and self._host_fits(res))
+
+    def host_copies(self) -> int:
+        """Host RAM the warm copies of other devices' models hold: part of `cpu`'s budget."""
+        return sum(r.warm.host_bytes for r in self.residents.values() if r.load.device != HOST)
+
+    def _host_fits(self, res: Resident) -> bool:
+        """Whether the warm copy of `res` would fit in host RAM: what its last one parked there
+        (before any, its bytes on a GPU, none on the CPU) within `cpu`'s budget, if any."""
+        need = res.warm.host_seen
+        if need is None:
+            need = 0 if res.load.device == HOST else res.bytes
+        if need == 0 or HOST not in self.devices:
+            return True
+        return self.used(HOST) + need <= self.capacity(HOST)
 
     def policy(self, device: str) -> VictimPolicy:
         """The victim policy of `device` (packserve's cost-aware `CostAware` unless told
@@ -129,8 +152,8 @@ class Residency:
 
     def used(self, device: str) -> int:
         """The bytes `device` holds now, by the residents' own accounts."""
-        return sum(v.held for v in map(self.view, self.residents.values())
-                   if v.device == device)
+        return sum(self.view(r).held for r in self.residents.values()
+                   if r.load.device == device)
 
     def holds_others(self, res: Resident) -> bool:
         """Whether any resident but `res` holds memory or a warm copy (in any device)."""
@@ -143,8 +166,34 @@ class Residency:
         """What loading `res` now takes: fits, evict whom, wait for whom, or never fits."""
         device = self.devices[res.load.device]
         views = [self.view(r) for r in self.residents.values()]
-        return plan_admission(self.view(res), views, device.capacity_bytes,
+        plan = plan_admission(self.view(res), views, device.capacity_bytes,
                               self.policy(device.name), turns=self._turns)
+        room = self.capacity(device.name)
+        if room >= device.capacity_bytes or plan.verdict not in (Verdict.FITS,
+                                                                  Verdict.FITS_AFTER_EVICTION):
+            return plan
+        tight = plan_admission(self.view(res), views, room, self.policy(device.name),
+                               turns=self._turns)
+        if tight.verdict is not Verdict.NEVER_FITS:
+            return tight
+        # It fits the budget, not what is left of it now: a wait, never a 507.
+        held = (f"warm copies of GPU models hold {format_bytes(self.host_copies())} of it"
+                if device.name == HOST else "other processes hold the rest of the device")
+        return dataclasses.replace(tight, verdict=Verdict.WAIT_FOR_BUSY, reason=(
+            f"{res.label} needs {format_bytes(res.bytes)}; {device.name}'s models may hold "
+            f"{format_bytes(room)} now, of a budget of {format_bytes(device.capacity_bytes)} "
+            f"after headroom: {held}; it loads when they let go"))
+
+    def capacity(self, device: str) -> int:
+        """What `device`'s models may hold now: its budget after headroom, less (on `cpu`) the
+        warm copies of GPU models in host RAM, and never more than what other processes leave
+        (`room`), after headroom too."""
+        budget = self.devices[device]
+        cap = budget.capacity_bytes - (self.host_copies() if device == HOST else 0)
+        room = None if self._room is None else self._room(device)
+        if room is not None:
+            cap = min(cap, room - budget.headroom_bytes)
+        return max(0, cap)
 
     def labelled(self, answer: Admission, res: Resident) -> Admission:
         """`answer` for operators: policy speaks in resident keys, they know catalog names."""
@@ -174,7 +223,7 @@ class Residency:
         """How many bytes `device` holds over its budget (<= 0: it fits), and the idle
         resident other than `keep` to evict first, in the victim policy's order (None when
         the idle ones do not cover it: then the first of them, if any, to free what there is)."""
-        over = self.used(device) - self.devices[device].capacity_bytes
+        over = self.used(device) - self.capacity(device)
         if over <= 0:
             return over, None
         views = [self.view(r) for r in self.residents.values()
@@ -317,7 +366,9 @@ class Residency:
 
     def device_rows(self) -> list[DeviceStatus]:
         return [DeviceStatus(name=d.name, budget_bytes=d.budget_bytes,
-                             headroom_bytes=d.headroom_bytes, used_bytes=self.used(d.name))
+                             headroom_bytes=d.headroom_bytes, used_bytes=self.used(d.name),
+                             capacity_bytes=self.capacity(d.name),
+                             warm_host_bytes=self.host_copies() if d.name == HOST else None)
                 for d in self.devices.values()]
 
     def model_rows(self) -> list[ModelStatus]:

@@ -77,12 +77,19 @@ class WarmCopy:
 
     backend: Backend | None = None
     bytes: int = 0
+    # host RAM the last one held besides (a GPU model's weights parked there); None: not yet
+    host_seen: int | None = None
     possible: bool | None = None  # whether the engine has a warm state (None: not tried yet)
     restore_seconds: float | None = None  # the last restore's
 
     @property
     def kept(self) -> bool:
         return self.backend is not None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM the warm copy holds now besides its device's bytes (`Backend.host_bytes`)."""
+        return 0 if self.backend is None else self.backend.host_bytes()
 
 
 @dataclass(eq=False)

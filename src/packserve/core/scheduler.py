@@ -65,7 +65,7 @@ from packserve.core.memory import MemoryProbe
 from packserve.core.pins import PinKeeper
 from packserve.core.policy import Admission, Verdict, VictimPolicy
 from packserve.core.queue import hold, release_holds, wait_turn
-from packserve.core.residency import Residency
+from packserve.core.residency import HOST, Residency
 from packserve.core.resident import Resident
 from packserve.core.retire import Retirer
 from packserve.core.status import DeviceStatus, Download, Liveness, ModelStatus, Readiness
@@ -134,7 +134,7 @@ class Scheduler:
         self._residency = Residency(
             entries, devices, {e.load.key: self._loader.store.get(e.load) for e in entries},
             clock=clock, wall_offset=wall_clock() - clock(), victim_policy=victim_policy,
-            warm_tier=warm_tier, turns=load_turn > 0)
+            warm_tier=warm_tier, turns=load_turn > 0, room=self._loader.room)
         self._locks = DeviceLocks((d.name for d in devices), clock=clock, wait_s=load_wait_s)
         self._changed = Changed()  # memory changed, or a model went idle
         self._tiers = Tiers(self._loader, clock=clock, emit=self._emit,
@@ -385,6 +385,8 @@ class Scheduler:
             if waiting is None:
                 return
             changed, retried = waiting
+            if res.load.device == HOST and await self._idle.reclaim_host(res):
+                continue  # warm copies of GPU models held the host RAM it needs
             await self._abandonable(res, functools.partial(
                 Changed.wait, changed, deadline - self._clock()))
 
@@ -674,8 +676,7 @@ class Scheduler:
         return self._residency.liveness(self._locks.held(), self._load_timeout_s)
 
     def devices(self) -> list[DeviceStatus]:
-        return [dataclasses.replace(d, accounting=self._loader.probe.accounting(d.name))
-                for d in self._residency.device_rows()]
+        return [self._loader.read(d) for d in self._residency.device_rows()]
 
     def models(self) -> list[ModelStatus]:
         return [dataclasses.replace(m, download=self._download_of(m.name))

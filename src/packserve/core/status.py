@@ -50,6 +50,15 @@ class DeviceStatus:
     # how the device's bytes are counted: "rss" (CPU), "per_process" (NVML's figure for the
     # process holding them) or "device_total" (the device's used memory: the fallback)
     accounting: str = "rss"
+    # what its models may hold now: the budget after headroom, less what other processes leave
+    # and (on `cpu`) warm copies of GPU models; None where no scheduler says
+    capacity_bytes: int | None = None
+    # On a CUDA device: this process's base there (its CUDA context, counted once, in no
+    # model's bytes), and what other processes hold (NVML; None where it cannot say)
+    base_bytes: int | None = None
+    others_bytes: int | None = None
+    # On `cpu`: host RAM that warm copies of GPU models hold, counted in its budget
+    warm_host_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ class Tiers:
                 await self._loader.release(res.load.device)
             else:
                 res.warm.backend, res.warm.bytes = backend, kept
+                res.warm.host_seen = backend.host_bytes()
                 freed = res.bytes - kept
         finally:
             res.move(res.at_rest())

@@ -205,8 +205,7 @@ class Node:
                 "evict_bytes": sum(v["bytes_measured"] or v["bytes_estimated"]
                                    for v in victims)}
         devices = residency.json()["devices"]
-        free = max((d["budget_bytes"] - d["headroom_bytes"] - d["used_bytes"] for d in devices),
-                   default=0)
+        free = max((d["capacity_bytes"] - d["used_bytes"] for d in devices), default=0)
         return {"node": self.node, "free_bytes": free, "models": models,
                 "devices": devices, "at": time.time()}
 
