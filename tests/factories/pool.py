@@ -25,19 +25,22 @@ class RayCluster:
 
 
 @contextlib.contextmanager
-def ray_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[RayCluster]:
+def ray_cluster(nodes: int = 2, cpus: int = 2, gpus: int = 0) -> Iterator[RayCluster]:
     """Start the cluster and connect this process to it (to kill replicas); shut all down on
-    exit. Imports Ray here only: a test that never asks for a pool never loads it."""
+    exit. Imports Ray here only: a test that never asks for a pool never loads it. `gpus`:
+    cards each node declares to Ray (none is there: Ray hands their ids out all the same)."""
     import ray
     from ray.cluster_utils import Cluster
 
     store = 80 * MIB
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": cpus, "resources": {"packserve_node": 1}, "object_store_memory": store,
+        "num_cpus": cpus, "num_gpus": gpus, "resources": {"packserve_node": 1},
+        "object_store_memory": store,
         "include_dashboard": False})
     added = [cluster.head_node]
     for _ in range(nodes - 1):
-        added.append(cluster.add_node(num_cpus=cpus, resources={"packserve_node": 1},
+        added.append(cluster.add_node(num_cpus=cpus, num_gpus=gpus,
+                                      resources={"packserve_node": 1},
                                       object_store_memory=store))
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)

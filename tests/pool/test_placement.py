@@ -1,7 +1,8 @@
 """Placement in a pool of fake-engine replicas on a one-node Ray cluster: pins on every replica
 of their group, dedicated replicas, one more copy for a model whose queue stays deep, idle
 extra copies dropped, embeddings sent again when their replica dies, and autoscaling within
-the config's bounds. Fake engines declare their sizes, so every byte is known."""
+the config's bounds, each replica on a card of its own (`replica_gpus`; the node declares four
+to Ray, none is there). Fake engines declare their sizes, so every byte is known."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ SHARED, DEDICATED = "packserve-shared", "packserve-dedicated-0"
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("placement")
-    with ray_cluster(nodes=1, cpus=4) as cluster:
+    with ray_cluster(nodes=1, cpus=4, gpus=4) as cluster:
         config = tmp / "pool.toml"
         config.write_text(f"""
 [server]
@@ -39,6 +40,7 @@ address = "{cluster.address}"
 min_replicas = 2
 max_replicas = 2
 replica_cpus = 0
+replica_gpus = 1
 stats_period_s = 0.2
 copy_queue_depth = 1
 copy_after_s = 0.5
@@ -70,6 +72,14 @@ def _wait_for(pool: Served, what: str, check: Any) -> list[dict[str, Any]]:
             return view
         time.sleep(0.1)
     raise AssertionError(f"the pool never showed {what}: {_view(pool)}")
+
+
+def test_each_replica_has_a_card_of_its_own(pool: Served) -> None:
+    """`replica_gpus = 1`: Ray gives each replica one of the node's cards (its
+    CUDA_VISIBLE_DEVICES, which the replica's packserve process inherits), never one twice."""
+    view = _wait_for(pool, "three replicas", lambda v: len(v) == 3)
+    cards = [tuple(r["gpus"]) for r in view]
+    assert all(len(c) == 1 for c in cards) and len(set(cards)) == 3, cards
 
 
 def _hot_on(view: list[dict[str, Any]], model: str) -> list[str]:

@@ -351,7 +351,7 @@ def create_entry_app(pool: Pool) -> ASGIApp:
 def pool_view(pool: Pool) -> dict[str, Any]:
     """Every replica: its group, Ray node, devices and models, as last reported."""
     return {"replicas": [
-        {"group": g, "replica": r, "node": stats.get("node", ""),
+        {"group": g, "replica": r, "node": stats.get("node", ""), "gpus": stats.get("gpus", []),
          "reported_at": stats.get("at"), "devices": stats.get("devices", []),
          "models": [{"name": name, **m} for name, m in stats.get("models", {}).items()]}
         for g, r, stats in pool.replicas()]}

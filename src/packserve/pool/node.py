@@ -86,6 +86,9 @@ class Node:
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()
+        # The cards Ray gave it (`replica_gpus`): its CUDA_VISIBLE_DEVICES, which the node's
+        # packserve process inherits, so they are its cuda:0, cuda:1, ...
+        self.gpus = [str(g) for g in ray.get_gpu_ids()]
         config = Config.model_validate_json(config_json)
         port = _free_port()
         server = config.server.model_copy(update={
@@ -206,7 +209,7 @@ class Node:
                                    for v in victims)}
         devices = residency.json()["devices"]
         free = max((d["capacity_bytes"] - d["used_bytes"] for d in devices), default=0)
-        return {"node": self.node, "free_bytes": free, "models": models,
+        return {"node": self.node, "gpus": self.gpus, "free_bytes": free, "models": models,
                 "devices": devices, "at": time.time()}
 
     async def check_health(self) -> None:
