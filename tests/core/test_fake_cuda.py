@@ -2,8 +2,8 @@
 on every run, on the CPU (issue 31): NVML's per-process figures against another tenant that
 allocates during a load, the fallback without them, the CUDA context counted once as the
 process's base, torch's caching allocator emptied before a measurement, no load planned past
-what other processes leave, and the warm tier of GPU models in host RAM within the `cpu`
-budget."""
+what other processes leave, the warm tier of GPU models in host RAM within the `cpu` budget,
+and the planner's GPU rows against what the scheduler holds on a card of that size."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from packserve.config import ModelSpec
+from packserve.config import Config, ModelSpec
 from packserve.core.backend import Backend, LoadSpec
 from packserve.core.catalog import DeviceBudget, Entry
 from packserve.core.events import EvictEvent, LoadEvent
 from packserve.core.scheduler import Scheduler
 from packserve.errors import ModelUnavailable
+from packserve.planner import plan
+from packserve.planner.catalog import Gpu
+from packserve.planner.sizing import GPU_RUNTIME_BYTES, Breakdown
+from packserve.server import device_budgets
 from packserve.types import State, Task
 from tests.factories import use
 from tests.factories.fake_cuda import GIB, MIB, CudaEngine, FakeCuda, Tenant
@@ -40,7 +44,8 @@ def model(name: str, mib: int, device: str = "cuda:0") -> Entry:
 def scheduler(cuda: FakeCuda, entries: list[Entry], budgets: dict[str, int], *,
               per_process: bool | None = True, load_wait_s: float = 5.0,
               during_load: dict[str, Tenant | None] | None = None,
-              tenant_bytes: int = 0) -> tuple[Scheduler, Recorder, list[Backend]]:
+              tenant_bytes: int = 0, headroom: int = 0,
+              ) -> tuple[Scheduler, Recorder, list[Backend]]:
     """A scheduler over `entries` with the real probe over `cuda` (a cpu model gets the
     suite's plain fake engine, its bytes the floor of its measurement); `during_load[name]`
     allocates `tenant_bytes` halfway through that model's load."""
@@ -61,7 +66,7 @@ def scheduler(cuda: FakeCuda, entries: list[Entry], budgets: dict[str, int], *,
         built.append(engine)
         return engine
 
-    s = Scheduler(entries, [DeviceBudget(d, budget_bytes=b, headroom_bytes=0)
+    s = Scheduler(entries, [DeviceBudget(d, budget_bytes=b, headroom_bytes=headroom)
                             for d, b in budgets.items()],
                   factory, probe, None, load_wait_s=load_wait_s, clock=time.monotonic,
                   sinks=(events,), warm_tier=budgets)
@@ -180,4 +185,35 @@ async def test_a_cpu_load_takes_back_the_host_ram_that_gpu_warm_copies_hold() ->
     assert (s.state_of("a"), s.state_of("c")) == (State.COLD, State.HOT)
     assert cuda.host_bytes == 0
     assert [e.reason for e in events.of(EvictEvent) if e.model == "a"][-1] == "host RAM for c"
+    await s.close()
+
+
+@pytest.mark.parametrize(("sizes_mib", "cards"), [
+    # A 16 GiB card offers its models 14,489.6 MiB (sizes are whole 2 MiB blocks, as the
+    # caching allocator reserves them).
+    ((5000, 5000, 4488), 1),
+    ((5000, 5000, 4490), 2),
+])
+async def test_what_the_planner_packs_on_one_card_the_scheduler_holds_there_at_once(
+        sizes_mib: tuple[int, ...], cards: int) -> None:
+    """`packserve plan`'s GPU rows against the scheduler on a fake card of that size, its
+    budget `auto` with the default headroom and its context the planner's: models the plan
+    puts on one card are all hot there at once; when it says two, one is evicted."""
+    card = Gpu(name="T", memory_bytes=16 * GIB, bandwidth_gbs=1.0, power_w=1, interconnect="",
+               nvlink=False, source="test")
+    names = [f"m{i}" for i in range(len(sizes_mib))]
+    fit = plan.fit_gpu(card, [Breakdown(name=n, weights=mib * MIB)
+                              for n, mib in zip(names, sizes_mib, strict=True)])
+    assert fit.count == cards
+    cuda = FakeCuda(totals={0: card.memory_bytes}, context_bytes=GPU_RUNTIME_BYTES)
+    config = Config.model_validate({"devices": {"cuda:0": {"memory_budget": "auto"}}})
+    (budget,) = device_budgets(config, {"cuda:0"}, cuda.probe(PID))
+    s, events, _ = scheduler(cuda, [model(n, mib) for n, mib in zip(names, sizes_mib,
+                                                                     strict=True)],
+                             {"cuda:0": budget.budget_bytes}, headroom=budget.headroom_bytes)
+    await s.start()
+    for n in names:
+        await use(s, n)
+    hot = [n for n in names if s.state_of(n) is State.HOT]
+    assert (len(hot) == len(names)) is (cards == 1), (hot, events.of(EvictEvent))
     await s.close()

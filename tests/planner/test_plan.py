@@ -11,7 +11,8 @@ from packserve.planner.sizing import GPU_RUNTIME_BYTES, Breakdown
 GB = 1_000_000_000
 CARD = Gpu(name="X", memory_bytes=100 * GB, bandwidth_gbs=1000, power_w=500,
            interconnect="NVLink", nvlink=True, source="test")
-USABLE = int(100 * GB * plan.USABLE_FRACTION) - GPU_RUNTIME_BYTES  # ~94.46 GB per card
+# serving: min(90% of the card, the card less its context) less the default 256 MiB headroom
+USABLE = 90 * GB - (256 << 20)  # ~89.73 GB per card
 
 
 def model(name: str, gb: float) -> Breakdown:
@@ -29,9 +30,17 @@ def test_a_model_larger_than_a_card_is_split_and_needs_nvlink() -> None:
 
 
 def test_several_small_models_are_packed_first_fit_without_nvlink() -> None:
-    # 60 + 30 share a card (90 <= 94.46); 50 + 40 share another: 2 cards, no split.
-    fit = plan.fit_gpu(CARD, [model("a", 60), model("b", 50), model("c", 40), model("d", 30)])
+    # 60 + 25 share a card (85 <= 89.73); 50 + 35 share another: 2 cards, no split.
+    fit = plan.fit_gpu(CARD, [model("a", 60), model("b", 50), model("c", 35), model("d", 25)])
     assert fit.count == 2 and not fit.split_models and not fit.nvlink_needed
+
+
+def test_a_card_offers_models_what_the_servers_auto_budget_gives_them() -> None:
+    assert plan.usable_bytes(CARD) == USABLE
+    small = Gpu(name="S", memory_bytes=4 * GB, bandwidth_gbs=1, power_w=1, interconnect="",
+                nvlink=False, source="test")  # 10% of it is less than the context
+    assert plan.usable_bytes(small) == 4 * GB - GPU_RUNTIME_BYTES - (256 << 20)
+    assert plan.usable_bytes(CARD, training=True) == 95 * GB - GPU_RUNTIME_BYTES
 
 
 def test_training_on_two_cards_needs_nvlink() -> None:

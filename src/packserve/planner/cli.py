@@ -215,7 +215,7 @@ def build_report(args: argparse.Namespace) -> dict[str, object]:
             *inputs.notes,
             f"runtime_bytes: {format_bytes(sizing.GPU_RUNTIME_BYTES, compact=True)} of CUDA "
             f"context per GPU",
-            f"a card offers {plan.USABLE_FRACTION:.0%} of its memory minus the CUDA context"],
+            plan.usable_rule(training)],
     }
 
 

@@ -12,14 +12,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from packserve.config import AUTO_BUDGET_FRACTION, DeviceConfig
 from packserve.planner.catalog import Gpu, Price
 from packserve.planner.sizing import GPU_RUNTIME_BYTES, Breakdown
+from packserve.units import format_bytes
 
 HOURS_PER_MONTH = 730.0  # 365 x 24 / 12
 DAYS_PER_MONTH = HOURS_PER_MONTH / 24
 HOST_RAM_PER_GPU_MEMORY = 2
 CPU_CORES_PER_GPU = 4
-USABLE_FRACTION = 0.95  # of a card's memory, past what the driver and ECC keep
+TRAINING_FRACTION = 0.95  # of a card's memory, past what the driver and ECC keep
 
 
 @dataclass(frozen=True)
@@ -45,10 +47,9 @@ class Cost:
 
 
 def fit_gpu(gpu: Gpu, models: Sequence[Breakdown], training: bool = False) -> GpuFit:
-    """Place models on cards of one type: a model larger than one card is split over
-    ceil(size / card) cards, the rest are packed first-fit by decreasing size. Each card keeps
-    `GPU_RUNTIME_BYTES` for the CUDA context."""
-    usable = int(gpu.memory_bytes * USABLE_FRACTION) - GPU_RUNTIME_BYTES
+    """Place models on cards of one type: a model larger than one card (`usable_bytes`) is
+    split over ceil(size / card) cards, the rest are packed first-fit by decreasing size."""
+    usable = usable_bytes(gpu, training)
     free: list[int] = []
     split = []
     for m in sorted(models, key=lambda b: b.total, reverse=True):
@@ -77,6 +78,28 @@ def nvme_bytes(models: Sequence[Breakdown], training: bool) -> int:
     if not training:
         return 2 * weights
     return weights + 2 * sum(m.weights + m.optimizer for m in models)
+
+
+def usable_bytes(gpu: Gpu, training: bool = False) -> int:
+    """What models may take of one card. Serving: what packserve's scheduler gives them there
+    with `memory_budget = "auto"` and the default headroom (`Residency.capacity`): 90% of the
+    card, and at most the card less this process's CUDA context, less the headroom. Training:
+    95% of the card less the context."""
+    memory = gpu.memory_bytes
+    if training:
+        return int(memory * TRAINING_FRACTION) - GPU_RUNTIME_BYTES
+    headroom = int(DeviceConfig.model_fields["headroom"].default)
+    return min(int(memory * AUTO_BUDGET_FRACTION["cuda"]), memory - GPU_RUNTIME_BYTES) - headroom
+
+
+def usable_rule(training: bool) -> str:
+    """`usable_bytes` in words, for the plan's notes."""
+    if training:
+        return f"a card offers {TRAINING_FRACTION:.0%} of its memory minus the CUDA context"
+    headroom = format_bytes(int(DeviceConfig.model_fields["headroom"].default), compact=True)
+    return (f"a card offers its models what packserve's auto budget gives them: "
+            f"{AUTO_BUDGET_FRACTION['cuda']:.0%} of its memory (at most its memory minus the "
+            f"CUDA context), minus the default headroom of {headroom}")
 
 
 def cost_per_hour(count: int, price_per_gpu_hour: float) -> float:
