@@ -15,6 +15,7 @@ from packserve.audit import GpuDevice, Load
 from packserve.cli import main
 from packserve.config import default_catalog_text
 from tests.factories import TEST_DEVICE, default_config, serve
+from tests.factories.fake_cuda import FakeCuda, Tenant
 
 GB = 1_000_000_000
 MIB = 1 << 20
@@ -53,6 +54,24 @@ def test_nvml_path_lists_processes_and_flags_the_preallocating_engine(tmp_path: 
     vllm, packserve = rows
     assert vllm.waste is not None and "0.6B" in vllm.waste and "90% of the card" in vllm.waste
     assert packserve.waste is None
+
+
+def test_the_audit_reads_the_card_through_the_probes_nvml_reader(tmp_path: Path) -> None:
+    """`audit.NvmlProbe` over the one NVML reader (`core.memory.Nvml`'s interface), here a
+    fake card: every process with its context and blocks, the card's name and total."""
+    cuda = FakeCuda(totals={0: 16 << 30})
+    Tenant(cuda, 101).allocate(12 << 30)
+    Tenant(cuda, 202).allocate(1 << 30)
+    proc = fake_proc(tmp_path, {101: "python -m vllm.entrypoints.openai.api_server "
+                                     "--model Qwen/Qwen3-0.6B",
+                                202: "python -m packserve.cli serve --port 8000"})
+    nvml = audit.NvmlProbe(cuda.nvml())
+    assert nvml.devices() == [GpuDevice(index=0, name="Fake CUDA 0", total_bytes=16 << 30,
+                                        used_bytes=13 * (1 << 30) + 2 * cuda.context_bytes)]
+    rows = audit.audit_processes(nvml, proc)
+    assert [(r.pid, r.bytes) for r in rows] == [(101, (12 << 30) + cuda.context_bytes),
+                                                (202, (1 << 30) + cuda.context_bytes)]
+    assert rows[0].waste is not None and rows[1].waste is None
 
 
 def test_waste_rules() -> None:

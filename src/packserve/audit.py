@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -25,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from packserve.core import memory
 from packserve.units import format_bytes
 
 MIB = 1 << 20
@@ -70,38 +70,30 @@ class Nvml(Protocol):
 
 
 class NvmlProbe:
-    """NVML through nvidia-ml-py. Construct with `open()`; None where there is no GPU."""
+    """The audit's view of NVML (`core.memory.Nvml`, the one reader of it). Construct with
+    `open()`; None where there is no GPU."""
 
-    def __init__(self, lib: object) -> None:
-        self._nv = lib
+    def __init__(self, nvml: memory.GpuList) -> None:
+        self._nvml = nvml
 
     @classmethod
     def open(cls) -> NvmlProbe | None:
         try:
-            lib = importlib.import_module("pynvml")
-            lib.nvmlInit()
+            return cls(memory.Nvml())
         except Exception:  # no package, no driver, no GPU: all mean "no NVML here"
             return None
-        return cls(lib)
 
     def devices(self) -> list[GpuDevice]:
-        nv = self._nv
         out = []
-        for i in range(int(nv.nvmlDeviceGetCount())):  # type: ignore[attr-defined]
-            h = nv.nvmlDeviceGetHandleByIndex(i)  # type: ignore[attr-defined]
-            mem = nv.nvmlDeviceGetMemoryInfo(h)  # type: ignore[attr-defined]
-            name = nv.nvmlDeviceGetName(h)  # type: ignore[attr-defined]
-            out.append(GpuDevice(index=i, name=name.decode() if isinstance(name, bytes)
-                                 else str(name), total_bytes=int(mem.total),
-                                 used_bytes=int(mem.used)))
+        for i in range(self._nvml.count()):
+            total, used = self._nvml.memory(i)
+            out.append(GpuDevice(index=i, name=self._nvml.name(i), total_bytes=total,
+                                 used_bytes=used))
         return out
 
     def processes(self, index: int) -> list[tuple[int, int]]:
-        nv = self._nv
-        h = nv.nvmlDeviceGetHandleByIndex(index)  # type: ignore[attr-defined]
-        procs = [*nv.nvmlDeviceGetComputeRunningProcesses(h),  # type: ignore[attr-defined]
-                 *nv.nvmlDeviceGetGraphicsRunningProcesses(h)]  # type: ignore[attr-defined]
-        return [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs]
+        return [(pid, used or 0) for pid, used in
+                self._nvml.processes(index, graphics=True) or []]
 
 
 def command_of(pid: int, proc: Path = Path("/proc")) -> str:

@@ -6,7 +6,7 @@ card, modelled on the CPU.
   until the process empties its cache); other tenants, processes that allocate and free
   whenever a test says, during a load included; host RAM that warm copies park in, copied at
   `copy_bytes_per_s`.
-- `FakeCuda.nvml(per_process=...)`: NVML over it (`core.memory.GpuMemory`): device totals and
+- `FakeCuda.nvml(per_process=...)`: NVML over it (`core.memory.GpuList`): device totals and
   used, and the process list, with per-process figures, with none (`per_process=False`: a
   process listed without its figure) or without a list at all (`per_process=None`: MIG).
 - `FakeCuda.runtime(pid)`: one process's CUDA runtime as the probe uses it
@@ -117,15 +117,22 @@ class FakeCuda:
 
 @dataclass
 class FakeNvml:
-    """NVML over a `FakeCuda` (`core.memory.GpuMemory`)."""
+    """NVML over a `FakeCuda` (`core.memory.GpuList`)."""
 
     cuda: FakeCuda
     per_process: bool | None
 
+    def count(self) -> int:
+        return len(self.cuda.totals)
+
+    def name(self, index: int) -> str:
+        return f"Fake CUDA {index}"
+
     def memory(self, index: int) -> tuple[int, int]:
         return self.cuda.totals[index], self.cuda.used(index)
 
-    def processes(self, index: int) -> list[tuple[int, int | None]] | None:
+    def processes(self, index: int, *, graphics: bool = False
+                  ) -> list[tuple[int, int | None]] | None:
         if self.per_process is None:
             return None  # MIG: no process list
         with self.cuda.lock:

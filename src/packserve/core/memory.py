@@ -86,6 +86,18 @@ class GpuMemory(Protocol):
         ...
 
 
+class GpuList(GpuMemory, Protocol):
+    """NVML as `packserve audit` reads it besides: how many devices, their names, and the
+    graphics processes too."""
+
+    def count(self) -> int: ...
+
+    def name(self, index: int) -> str: ...
+
+    def processes(self, index: int, *, graphics: bool = False
+                  ) -> list[tuple[int, int | None]] | None: ...
+
+
 class CudaRuntime(Protocol):
     """The CUDA runtime of this process as the probe uses it; `TorchCuda` is the real one (it
     acts only where a torch engine imported torch), tests pass a fake."""
@@ -115,20 +127,33 @@ class TorchCuda:
 
 
 class Nvml:
-    """NVML through nvidia-ml-py (`pynvml`), opened on first use."""
+    """NVML through nvidia-ml-py (`pynvml`), opened on first use: the one reader of it (the
+    probe, the runners' figures, `packserve audit`)."""
 
     def __init__(self) -> None:
         self._nv = importlib.import_module("pynvml")  # untyped: read through its module
         self._nv.nvmlInit()
 
+    def count(self) -> int:
+        return int(self._nv.nvmlDeviceGetCount())
+
+    def name(self, index: int) -> str:
+        name = self._nv.nvmlDeviceGetName(self._nv.nvmlDeviceGetHandleByIndex(index))
+        return name.decode() if isinstance(name, bytes) else str(name)
+
     def memory(self, index: int) -> tuple[int, int]:
         info = self._nv.nvmlDeviceGetMemoryInfo(self._nv.nvmlDeviceGetHandleByIndex(index))
         return int(info.total), int(info.used)
 
-    def processes(self, index: int) -> list[tuple[int, int | None]] | None:
+    def processes(self, index: int, *, graphics: bool = False
+                  ) -> list[tuple[int, int | None]] | None:
+        """(pid, bytes) of the compute processes on device `index` (and, with `graphics`,
+        the graphics ones), bytes None where NVML does not say; None without a list."""
         handle = self._nv.nvmlDeviceGetHandleByIndex(index)
         try:
-            procs = self._nv.nvmlDeviceGetComputeRunningProcesses(handle)
+            procs = list(self._nv.nvmlDeviceGetComputeRunningProcesses(handle))
+            if graphics:
+                procs += self._nv.nvmlDeviceGetGraphicsRunningProcesses(handle)
         except self._nv.NVMLError:
             return None
         return [(int(p.pid), None if p.usedGpuMemory is None else int(p.usedGpuMemory))
