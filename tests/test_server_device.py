@@ -14,9 +14,11 @@ import pytest
 
 from packserve import backends
 from packserve.backends import llama, llama_server, sentence_tf
+from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
 from packserve.core.engine import Engine
-from packserve.server import as_written, resolve_device
+from packserve.planner.sizing import GPU_RUNTIME_BYTES, Breakdown
+from packserve.server import Resolved, as_written, resolve_device
 
 FAKE = backends.get("fake")
 
@@ -136,3 +138,28 @@ def test_the_runner_is_told_where_its_layers_go(device: str, args: list[str]) ->
     spec = LoadSpec(backend="llama-server", path=Path("m.gguf"), device=device,
                     context_length=512, max_batch=1)
     assert llama_server.LlamaServerBackend(spec)._device_args() == args
+
+
+
+@pytest.mark.parametrize(("engine", "device", "gpu", "context"), [
+    (llama_server.ENGINE, "cuda:0", None, True),  # a runner on a card: its own context
+    (llama_server.EMBED_ENGINE, "cuda:1", None, True),
+    (llama_server.ENGINE, "cpu", None, False),
+    (llama_server.ENGINE, "cpu", True, True),  # the planner plans cards
+    (sentence_tf.SENTENCE_TRANSFORMERS, "cuda:0", None, False),  # in the worker: its context is the base
+    (llama.ENGINE, "cuda:0", True, False),
+])
+def test_a_runners_estimate_on_a_card_holds_its_own_cuda_context(
+        engine: Engine, device: str, gpu: bool | None, context: bool) -> None:
+    """A llama.cpp runner is a process of its own: on `cuda:N` its estimate adds the CUDA
+    context that process opens (the planner's GPU_RUNTIME_BYTES); an in-process engine shares
+    its worker's, counted once as the device's base."""
+    sized = dataclasses.replace(engine, size=lambda facts, load, name, sequences: Breakdown(
+        name=name, weights=100 << 20))
+    spec = ModelSpec(name="m", tasks=[next(iter(engine.tasks))], backend=engine.name,
+                     source="m.gguf", device=device)
+    resolved = Resolved(spec=spec, engine=sized, facts=None,
+                        load=LoadSpec(backend=engine.name, path=Path("m.gguf"), device=device,
+                                      context_length=0))
+    size = resolved.breakdown(gpu=gpu)
+    assert size.total == (100 << 20) + (GPU_RUNTIME_BYTES if context else 0)

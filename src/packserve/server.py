@@ -24,8 +24,9 @@ from packserve.errors import ConfigError
 from packserve.hub import Hub, HubFetcher, HubSource
 from packserve.hub import parse as parse_hub
 from packserve.modelfiles import ModelFacts, read_facts_cached
-from packserve.planner.sizing import Breakdown
+from packserve.planner.sizing import GPU_RUNTIME_BYTES, Breakdown
 from packserve.sources import Announce, confine, model_roots, resolve_source
+from packserve.units import format_bytes
 
 if TYPE_CHECKING:
     from packserve.metrics.telemetry import Telemetry
@@ -65,12 +66,20 @@ class Resolved:
     load: LoadSpec
     facts: ModelFacts | None  # None for an engine that reads no files
 
-    def breakdown(self, context: int | None = None, sequences: int | None = None) -> Breakdown:
+    def breakdown(self, context: int | None = None, sequences: int | None = None,
+                  gpu: bool | None = None) -> Breakdown:
         """What this entry's load holds, by kind (at another `context` or number of concurrent
-        sequences, for the planner; by default the load's own: its `parallel` slots)."""
+        sequences, for the planner; by default the load's own: its `parallel` slots). On a GPU
+        (`gpu`; by default where its device is CUDA) a runner's own CUDA context too."""
         load = self.load if context is None else replace(self.load, context_length=context)
-        return self.engine.size(self.facts, load, self.spec.name,
+        size = self.engine.size(self.facts, load, self.spec.name,
                                 self.load.parallel if sequences is None else sequences)
+        if not self.engine.own_process or not (
+                load.device.startswith("cuda") if gpu is None else gpu):
+            return size
+        return replace(size, overhead=size.overhead + GPU_RUNTIME_BYTES, assumptions=(
+            *size.assumptions, f"{self.spec.name}: its runner process's own CUDA context on a "
+            f"card, {format_bytes(GPU_RUNTIME_BYTES, compact=True)}"))
 
 
 def resolve_models(config: Config, device: Callable[[str, Engine], str] = resolve_device,

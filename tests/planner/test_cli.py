@@ -10,6 +10,7 @@ import pytest
 
 from packserve.cli import main
 from packserve.config import default_catalog_text, load_config
+from packserve.planner.sizing import GPU_RUNTIME_BYTES
 from packserve.server import build_entries
 
 GB = 1_000_000_000
@@ -88,7 +89,8 @@ def test_plan_of_the_default_catalog_uses_the_admission_estimate(
     assert set(models) == {"all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"}
     admission = {e.spec.name: e.bytes_estimated for e in build_entries(load_config(config))}
     for name, m in models.items():
-        assert m["total_bytes"] == admission[name]
+        # The server's estimate here (the CPU), and on a card each runner's own CUDA context.
+        assert m["total_bytes"] == admission[name] + GPU_RUNTIME_BYTES
     assert report["total_bytes"] == sum(m["total_bytes"] for m in models.values()) \
         + report["runtime_bytes"]
     assert all(g["count"] == 1 for g in report["gpus"])

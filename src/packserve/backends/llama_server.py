@@ -988,11 +988,12 @@ ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE})
                 default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=_size,
                 check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL,
                 sampling=frozenset({*EXTENSIONS, "continuous_usage_stats"}), token_ids=True,
-                cuda=runner_cuda)
+                cuda=runner_cuda, own_process=True)
 # Embeddings and bi-encoder rerank from a GGUF encoder (the default catalog's MiniLM, converted
 # from its safetensors folder): requests are batched (api/batching.py) into the runner's slots.
 EMBED_ENGINE = Engine(name="llama-server-embed", tasks=frozenset({Task.EMBED, Task.RERANK}),
                       default_concurrency=32, build=LlamaEmbedBackend, size=_embed_size,
                       check_source=_embed_source, context=_embed_context, convert=_to_gguf,
-                      default_parallel=DEFAULT_PARALLEL, token_ids=True, cuda=runner_cuda)
+                      default_parallel=DEFAULT_PARALLEL, token_ids=True, cuda=runner_cuda,
+                      own_process=True)
 ENGINES = (ENGINE, EMBED_ENGINE)

@@ -73,6 +73,9 @@ class Engine:
       where NVIDIA's driver is there, to resolve `device = "auto"`: a model goes to the GPU only
       where its load can succeed there. It may import the engine's library (what a load would
       do anyway) and should cache its answer.
+    - `own_process`: each load runs in a process of its own (a runner). On a CUDA device that
+      process holds a CUDA context of its own, which the load's bytes include: its estimate
+      adds one (`Resolved.breakdown`), where an in-process engine shares its worker's.
     """
 
     name: str
@@ -91,6 +94,7 @@ class Engine:
     sampling: frozenset[str] = frozenset()
     token_ids: bool = False
     cuda: Callable[[], str | None] = cpu_only
+    own_process: bool = False
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS

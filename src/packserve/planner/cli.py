@@ -120,7 +120,7 @@ def config_inputs(args: argparse.Namespace) -> Inputs:
             continue
         seen[key] = name
         if args.task == "inference":
-            models.append(r.breakdown(context=context, sequences=args.concurrency))
+            models.append(r.breakdown(context=context, sequences=args.concurrency, gpu=True))
         else:
             shape = replace(shape_of(r.facts, name), stored_bytes=0,
                             precision=(args.precision or "bf16").lower())
