@@ -17,8 +17,10 @@ import ctypes
 import ctypes.util
 import gc
 import importlib
+import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +28,7 @@ from typing import Protocol
 # How a device's bytes are counted (`MemoryProbe.accounting`): this process's resident set, NVML's
 # figure for this process, or the device's used memory (the fallback).
 RSS, PER_PROCESS, DEVICE_TOTAL = "rss", "per_process", "device_total"
+FAMILY_TTL_S = 1.0  # how long a reading of this process's runners' pids is reused
 
 
 class MemoryProbe(Protocol):
@@ -226,6 +229,7 @@ class SystemProbe:
         self._namespaced = namespaced
         self._cuda = cuda or TorchCuda()
         self._family = family
+        self._ours: tuple[float, frozenset[int]] = (-math.inf, frozenset())  # (when, pids)
 
     def gpu(self) -> GpuMemory:
         if self._gpu is None:
@@ -258,7 +262,17 @@ class SystemProbe:
     def others_bytes(self, device: str) -> int | None:
         if not device.startswith("cuda") or self._namespaced():
             return None
-        return others_device_bytes(self.gpu(), _index(device), self._family(self._pid))
+        return others_device_bytes(self.gpu(), _index(device), self._our_pids())
+
+    def _our_pids(self) -> frozenset[int]:
+        """This process and its runners, read from /proc at most once a second (admission asks
+        at every step, and /proc on a busy host has thousands of entries)."""
+        at, pids = self._ours
+        now = time.monotonic()
+        if now - at >= FAMILY_TTL_S:
+            pids = self._family(self._pid)
+            self._ours = (now, pids)
+        return pids
 
     def open_device(self, device: str) -> None:
         if device.startswith("cuda"):
