@@ -146,7 +146,7 @@ def test_the_runner_is_told_where_its_layers_go(device: str, args: list[str]) ->
     (llama_server.EMBED_ENGINE, "cuda:1", None, True),
     (llama_server.ENGINE, "cpu", None, False),
     (llama_server.ENGINE, "cpu", True, True),  # the planner plans cards
-    (sentence_tf.SENTENCE_TRANSFORMERS, "cuda:0", None, False),  # in the worker: its context is the base
+    (sentence_tf.SENTENCE_TRANSFORMERS, "cuda:0", None, False),  # in the worker: the base
     (llama.ENGINE, "cuda:0", True, False),
 ])
 def test_a_runners_estimate_on_a_card_holds_its_own_cuda_context(

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Page, Route, sync_playwright
 
 from tests.factories import Running, default_config, serve
 
@@ -93,6 +93,25 @@ def test_page_shows_what_the_api_reports_and_follows_changes(page: Page,
     kinds = page.eval_on_selector_all("[data-testid=events] li",
                                       "items => items.map(i => i.dataset.kind)")
     assert "load" in kinds and "evict" in kinds
+
+
+def test_page_shows_a_download_in_flight_and_when_it_stalls(page: Page) -> None:
+    """A Hub download's progress in the model's state (the page's own rendering of the
+    `download` field of /v1/residency, which the browser is handed here: the Hub downloads
+    themselves are tested in tests/test_hub.py)."""
+    def with_download(route: Route) -> None:
+        body = route.fetch().json()
+        (model,) = (m for m in body["models"] if m["name"] == "all-minilm-l6-v2")
+        model["download"] = {"source": "hf:org/repo", "done_bytes": 10 << 20,
+                             "total_bytes": 100 << 20, "idle_s": 42.0}
+        route.fulfill(json=body)
+
+    page.route("**/v1/residency", with_download)
+    wait_for_poll(page)
+    wait_for_poll(page)
+    text = page.inner_text("[data-testid=state-all-minilm-l6-v2]")
+    assert text.endswith(", downloading hf:org/repo: 10.0 MiB of 100.0 MiB, no byte "
+                                   "for 42 s"), text
 
 
 def test_page_shows_engine_crashes_through_the_front(tmp_path: Path) -> None:

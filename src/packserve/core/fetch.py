@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,8 @@ from packserve.errors import ModelUnavailable
 from packserve.units import format_bytes
 
 log = logging.getLogger("packserve.fetch")
+
+STALLED_S = 30.0  # a download this long without a byte says so when a request gives up on it
 
 
 class Fetcher(Protocol):
@@ -46,6 +49,7 @@ class Fetcher(Protocol):
 class _InFlight:
     source: str
     future: asyncio.Future[None]
+    moved: float  # when its last byte came (its start before the first)
     done: int = 0
     total: int = 0
 
@@ -53,8 +57,9 @@ class _InFlight:
 class Downloads:
     """The downloads in flight, by the path they fetch. Used on the event loop."""
 
-    def __init__(self, fetcher: Fetcher) -> None:
+    def __init__(self, fetcher: Fetcher, clock: Callable[[], float] = time.monotonic) -> None:
         self._fetcher = fetcher
+        self._clock = clock
         self._flights: dict[str, _InFlight] = {}
 
     def missing(self, load: LoadSpec) -> str | None:
@@ -67,12 +72,14 @@ class Downloads:
         if flight is not None:
             return flight.future
         loop = asyncio.get_running_loop()
-        flight = _InFlight(source, loop.create_future())
+        flight = _InFlight(source, loop.create_future(), moved=self._clock())
         flight.future.add_done_callback(_seen)  # its waiters may all have left
         self._flights[key] = flight
 
         def progress(done: int, total: int) -> None:
-            flight.done, flight.total = done, total  # read by the event loop; ints only
+            if done != flight.done:
+                flight.moved = self._clock()
+            flight.done, flight.total = done, total  # read by the event loop; plain values
 
         def settle(error: BaseException | None) -> None:
             self._flights.pop(key, None)
@@ -110,6 +117,8 @@ class Downloads:
             got = self.status(load)
             done = "" if got is None or not got.total_bytes else (
                 f": {format_bytes(got.done_bytes)} of {format_bytes(got.total_bytes)}")
+            if got is not None and got.idle_s >= STALLED_S:
+                done += f", no byte for {got.idle_s:.0f}s"
             raise ModelUnavailable(
                 f"model {label} is still downloading {source}{done} after {seconds:.0f}s "
                 f"(load_wait_s); the download goes on, try again later",
@@ -120,7 +129,14 @@ class Downloads:
         flight = self._flights.get(str(load.path))
         if flight is None:
             return None
-        return Download(source=flight.source, done_bytes=flight.done, total_bytes=flight.total)
+        return Download(source=flight.source, done_bytes=flight.done, total_bytes=flight.total,
+                        idle_s=round(self._clock() - flight.moved, 1))
+
+    def stalled(self, timeout_s: float) -> list[tuple[str, str, float]]:
+        """The downloads that have had no byte for over `timeout_s`: (path, source, seconds)."""
+        now = self._clock()
+        return [(path, f.source, now - f.moved) for path, f in self._flights.items()
+                if now - f.moved > timeout_s]
 
 
 def _seen(future: asyncio.Future[None]) -> None:

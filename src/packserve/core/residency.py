@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from packserve.core import catalog
 from packserve.core.catalog import DeviceBudget, Entry, Listed, ReconfigureReport, Served
+from packserve.core.fetch import Downloads
 from packserve.core.pins import PinRetry
 from packserve.core.policy import (
     Admission,
@@ -347,9 +348,11 @@ class Residency:
                 next_retry_s=max(0.0, retry.next_at - now) if retry is not None else None))
         return Readiness(ready=not pins, pins=tuple(pins))
 
-    def liveness(self, locks: Mapping[str, tuple[str, float]], timeout_s: float) -> Liveness:
-        """What the deep probe reports (see `Liveness`), from the device locks' holders and the
-        residents' loads and queues: plain reads, nothing awaited."""
+    def liveness(self, locks: Mapping[str, tuple[str, float]], timeout_s: float,
+                 downloads: Downloads | None = None) -> Liveness:
+        """What the deep probe reports (see `Liveness`), from the device locks' holders, the
+        residents' loads and queues, and downloads with no byte for `timeout_s`: plain reads,
+        nothing awaited."""
         now = self._clock()
         held = tuple(Stuck("lock", device, "", now - since, who)
                      for device, (who, since) in locks.items())
@@ -358,7 +361,12 @@ class Residency:
         queues = tuple(Stuck("queue", m.resident.load.device, m.spec.name, now - m.moved,
                              f"{len(m.queue)} waiting")
                        for m in self.models.values() if m.queue)
-        stuck = tuple(s for s in (*held, *loads, *queues) if s.seconds > timeout_s)
+        by_path = {str(r.load.path): r for r in self.residents.values()}
+        stalled = tuple(Stuck("download", by_path[p].load.device if p in by_path else "",
+                              by_path[p].label if p in by_path else "", seconds, source)
+                        for p, source, seconds in (downloads.stalled(timeout_s)
+                                                   if downloads is not None else ()))
+        stuck = (*(s for s in (*held, *loads, *queues) if s.seconds > timeout_s), *stalled)
         wedged = tuple(dict.fromkeys(name for s in stuck if s.kind == "load"
                                      for name in s.model.split("+")))
         return Liveness(load_timeout_s=timeout_s, locks=held, loads=loads, stuck=stuck,

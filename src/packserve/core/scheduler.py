@@ -120,7 +120,7 @@ class Scheduler:
         self._cooldown_s = failure_cooldown_s
         self._check_files = check_files  # before every load; the server checks headers
         # Before that, files not on disk yet (Hub sources) are fetched, outside the locks.
-        self._downloads = Downloads(fetcher) if fetcher is not None else None
+        self._downloads = Downloads(fetcher, clock=clock) if fetcher is not None else None
         # A load waiting for busy models takes its turn once one of its requests has waited this
         # fraction of its SLO, and holds their new requests, each for at most this fraction of
         # its own (0: they go ahead; `acquire` without an SLO counts `load_wait_s` as one).
@@ -673,7 +673,7 @@ class Scheduler:
 
     def liveness(self) -> Liveness:
         """The deep probe: locks held, loads running, queues not moving. Waits for nothing."""
-        return self._residency.liveness(self._locks.held(), self._load_timeout_s)
+        return self._residency.liveness(self._locks.held(), self._load_timeout_s, self._downloads)
 
     def devices(self) -> list[DeviceStatus]:
         return [self._loader.read(d) for d in self._residency.device_rows()]

@@ -15,6 +15,7 @@ class Download:
     source: str
     done_bytes: int
     total_bytes: int  # 0 until the source has been listed
+    idle_s: float = 0.0  # seconds since its last byte (since it started, before the first)
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,12 @@ class Stuck:
     """Something the deep probe found running or waiting for `seconds`: a device lock held (by
     `who`), a load in its engine (`model`), or a model's queue that has not moved."""
 
-    kind: str  # "lock", "load" or "queue"
+    kind: str  # "lock", "load", "queue" or "download"
     device: str
     model: str  # a load's or a queue's catalog name(s), "+"-joined for shared weights
     seconds: float
-    detail: str  # for a lock, what holds it ("model NAME" for a load); for a queue, how many wait
+    detail: str  # for a lock, what holds it ("model NAME" for a load); for a queue, how many
+    # wait; for a download, its source (its `seconds`: since its last byte)
 
 
 @dataclass(frozen=True)
