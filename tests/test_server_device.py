@@ -140,7 +140,6 @@ def test_the_runner_is_told_where_its_layers_go(device: str, args: list[str]) ->
     assert llama_server.LlamaServerBackend(spec)._device_args() == args
 
 
-
 @pytest.mark.parametrize(("engine", "device", "gpu", "context"), [
     (llama_server.ENGINE, "cuda:0", None, True),  # a runner on a card: its own context
     (llama_server.EMBED_ENGINE, "cuda:1", None, True),

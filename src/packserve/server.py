@@ -170,8 +170,13 @@ def build_entries(config: Config, announce: Announce = None) -> list[Entry]:
 
 
 def device_budgets(config: Config, devices: set[str], probe: MemoryProbe) -> list[DeviceBudget]:
+    """Each device's budget; `cpu`'s too where a model is on a CUDA device, as warm copies of
+    GPU models park in host RAM within it (`auto` where the config has no `[devices.cpu]`)."""
     budgets = []
-    for name in sorted(devices | set(config.devices)):
+    names = devices | set(config.devices)
+    if any(n.startswith("cuda") for n in names):
+        names.add("cpu")
+    for name in sorted(names):
         dev = config.device_config(name)
         if dev.memory_budget == "auto":
             kind = "cuda" if name.startswith("cuda") else "cpu"

@@ -44,8 +44,8 @@ def model(name: str, mib: int, device: str = "cuda:0") -> Entry:
 def scheduler(cuda: FakeCuda, entries: list[Entry], budgets: dict[str, int], *,
               per_process: bool | None = True, load_wait_s: float = 5.0,
               during_load: dict[str, Tenant | None] | None = None,
-              tenant_bytes: int = 0, headroom: int = 0,
-              ) -> tuple[Scheduler, Recorder, list[Backend]]:
+              tenant_bytes: int = 0, headroom: int = 0, engine: type[CudaEngine] = CudaEngine,
+              pid: int = PID) -> tuple[Scheduler, Recorder, list[Backend]]:
     """A scheduler over `entries` with the real probe over `cuda` (a cpu model gets the
     suite's plain fake engine, its bytes the floor of its measurement); `during_load[name]`
     allocates `tenant_bytes` halfway through that model's load."""
@@ -58,13 +58,13 @@ def scheduler(cuda: FakeCuda, entries: list[Entry], budgets: dict[str, int], *,
 
             built.append(backend := FakeBackend(spec))
             return backend
-        engine = CudaEngine(spec)
-        engine.cuda, engine.pid = cuda, PID
+        backend = engine(spec)
+        backend.cuda, backend.pid = cuda, pid
         tenant = (during_load or {}).get(spec.path.parent.name)
         if tenant is not None:
-            engine.during_load = lambda: tenant.allocate(tenant_bytes)
-        built.append(engine)
-        return engine
+            backend.during_load = lambda: tenant.allocate(tenant_bytes)
+        built.append(backend)
+        return backend
 
     s = Scheduler(entries, [DeviceBudget(d, budget_bytes=b, headroom_bytes=headroom)
                             for d, b in budgets.items()],
@@ -90,6 +90,23 @@ async def test_a_load_is_charged_its_own_bytes_while_another_tenant_allocates() 
     assert dev["accounting"] == "per_process"
     assert dev["base_bytes"] == cuda.context_bytes  # the context: the process's, counted once
     assert dev["others_bytes"] == 3 * GIB + cuda.context_bytes  # the tenant's, context too
+    await s.close()
+
+
+async def test_a_runner_on_the_card_opens_no_context_in_the_worker() -> None:
+    """A runner is a process of its own (here pid 9000) with its own context, in its model's
+    bytes: the worker opens none for it, and the device has no base."""
+    cuda = FakeCuda()
+
+    class Runner(CudaEngine):
+        out_of_process = True
+
+    s, _, _ = scheduler(cuda, [model("r", 512)], {"cuda:0": 8 * GIB}, engine=Runner, pid=9000)
+    await s.start()
+    await use(s, "r")
+    assert row(s, "cuda:0")["base_bytes"] is None
+    assert cuda.held_by(PID, 0) == 0  # no context in the worker
+    assert cuda.held_by(9000, 0) == cuda.context_bytes + 512 * MIB
     await s.close()
 
 
@@ -126,8 +143,8 @@ async def test_blocks_kept_by_the_caching_allocator_go_back_before_the_next_meas
     s, _, _ = scheduler(cuda, [model("a", 1024), model("b", 256)], {"cuda:0": 1100 * MIB})
     await s.start()
     await use(s, "a")
-    await use(s, "b")  # evicts a (cold: a GPU model's copy would need host RAM, and no budget)
-    assert {m.name: m.bytes_measured for m in s.models()}["b"] == 256 * MIB
+    await use(s, "b")  # evicts a (cold: no host RAM budget for a GPU model's warm copy)
+    assert s.state_of("a") is State.COLD and cuda.copies == []
     assert cuda.held_by(PID, 0) == cuda.context_bytes + 256 * MIB  # a's blocks went back
     await s.close()
     assert cuda.held_by(PID, 0) == cuda.context_bytes  # all given back but the context
@@ -172,6 +189,24 @@ async def test_a_gpu_models_warm_copy_parks_in_host_ram_within_the_cpu_budget() 
     await s.close()
 
 
+async def test_warm_copies_stay_when_letting_them_go_would_not_make_room() -> None:
+    """A CPU load waiting for a busy CPU model: the GPU model's warm copy in host RAM could not
+    make the room it needs, so it stays (the load waits, then a 503)."""
+    cuda = FakeCuda()
+    s, _, _ = scheduler(cuda, [model("a", 256), model("b", 256), model("c1", 1024, "cpu"),
+                               model("c2", 1024, "cpu")],
+                        {"cuda:0": 300 * MIB, "cpu": 1536 * MIB}, load_wait_s=0.3)
+    await s.start()
+    await use(s, "a")
+    await use(s, "b")  # a parks 256 MiB in host RAM
+    assert s.state_of("a") is State.WARM
+    async with s.acquire("c1", Task.EMBED):  # c1 busy: c2 needs 1 GiB, the copy frees 256 MiB
+        with pytest.raises(ModelUnavailable):
+            await use(s, "c2")
+    assert s.state_of("a") is State.WARM and cuda.host_bytes == 256 * MIB
+    await s.close()
+
+
 async def test_a_cpu_load_takes_back_the_host_ram_that_gpu_warm_copies_hold() -> None:
     cuda = FakeCuda()
     s, events, _ = scheduler(cuda, [model("a", 1024), model("b", 1024),
@@ -207,7 +242,9 @@ async def test_what_the_planner_packs_on_one_card_the_scheduler_holds_there_at_o
     assert fit.count == cards
     cuda = FakeCuda(totals={0: card.memory_bytes}, context_bytes=GPU_RUNTIME_BYTES)
     config = Config.model_validate({"devices": {"cuda:0": {"memory_budget": "auto"}}})
-    (budget,) = device_budgets(config, {"cuda:0"}, cuda.probe(PID))
+    budgets = {b.name: b for b in device_budgets(config, {"cuda:0"}, cuda.probe(PID))}
+    assert set(budgets) == {"cuda:0", "cpu"}  # host RAM's budget, for warm copies: auto
+    budget = budgets["cuda:0"]
     s, events, _ = scheduler(cuda, [model(n, mib) for n, mib in zip(names, sizes_mib,
                                                                      strict=True)],
                              {"cuda:0": budget.budget_bytes}, headroom=budget.headroom_bytes)

@@ -71,7 +71,7 @@ async def test_the_deep_probe_reports_a_stalled_download_and_restarts_nothing() 
 
     s = Scheduler([entry("m")], [DeviceBudget("cpu", budget_bytes=1024 * MIB, headroom_bytes=0)],
                   factory, FakeProbe(), None, clock=clock, load_timeout_s=60.0,
-                  load_wait_s=0.5, fetcher=fetcher, sinks=())
+                  load_wait_s=10.0, fetcher=fetcher, sinks=())
     await s.start()
     request = asyncio.create_task(_use(s))
     await asyncio.to_thread(fetcher.started.wait, 10)

@@ -192,3 +192,19 @@ def test_other_processes_are_those_outside_this_one_and_its_runners(tmp_path: Pa
     assert others_device_bytes(FakeNvml({100: None}), 0, ours) is None
     hidden = SystemProbe(gpu=lambda: nvml, pid=100, namespaced=lambda: True)
     assert hidden.others_bytes("cuda:0") is None  # a container: NVML's pids are the host's
+
+
+def test_the_runners_pids_are_read_at_most_once_a_second() -> None:
+    reads: list[int] = []
+    now = [0.0]
+
+    def ours(pid: int) -> frozenset[int]:
+        reads.append(pid)
+        return frozenset({pid})
+
+    p = SystemProbe(gpu=lambda: FakeNvml({100: 1 << 30}), pid=100, namespaced=lambda: False,
+                    family=ours, clock=lambda: now[0])
+    for t in (0.0, 0.5, 0.99, 1.0, 1.5):
+        now[0] = t
+        assert p.others_bytes("cuda:0") == 0
+    assert reads == [100, 100]  # at 0 and at 1

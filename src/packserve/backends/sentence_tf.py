@@ -6,7 +6,6 @@ runs only with `trust_remote_code = true`. Nothing is fetched from a hub.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import json
@@ -355,8 +354,8 @@ class _TorchBackend(Backend):
         }
 
     def release_weights(self) -> bool:
-        """Warm: on a GPU, park every weight and buffer in pinned host RAM (they come back by a
-        copy: vLLM's sleep level 1); on the CPU, swap every weight for a meta tensor (no
+        """Warm: on a GPU, park every weight and buffer in host RAM (they come back by a copy,
+        as vLLM's sleep level 1 does); on the CPU, swap every weight for a meta tensor (no
         storage) and keep the modules and the tokenizer, only when each weight can be read back
         from a safetensors file of its module's directory, by name and shape (no tied
         weights); otherwise False and nothing changed."""
@@ -373,19 +372,16 @@ class _TorchBackend(Backend):
         return True
 
     def _park(self) -> None:
-        """Move the weights to host RAM, pinned where the driver allows (a copy back runs at
-        the bus's speed), and hand the device's blocks back."""
+        """Move the weights and buffers to host RAM and hand the device's blocks back.
+
+        Pageable memory, not pinned: torch's pinned-memory allocator rounds every block up to a
+        power of two and keeps freed blocks for the process's life, so a parked copy would hold
+        up to twice what it counts, and keep it after its restore. A copy back from pageable
+        memory is slower (measured by the prepared GPU check, docs/gpu.md)."""
         import torch
 
         self._drop_graph()
         self._model.to("cpu")
-        for tensor in self._model.parameters():
-            with contextlib.suppress(RuntimeError):  # pinned memory refused: pageable it stays
-                tensor.data = tensor.data.pin_memory()
-        for name, buffer in list(self._model.named_buffers()):
-            owner, _, leaf = name.rpartition(".")
-            with contextlib.suppress(RuntimeError):
-                setattr(self._model.get_submodule(owner), leaf, buffer.pin_memory())
         tensors = [*self._model.parameters(), *self._model.buffers()]
         self._parked = int(sum(t.numel() * t.element_size() for t in tensors))
         torch.cuda.empty_cache()
@@ -400,7 +396,7 @@ class _TorchBackend(Backend):
         if self._parked:
             import torch
 
-            self._model.to(self.spec.device, non_blocking=True)
+            self._model.to(self.spec.device)
             torch.cuda.synchronize(self.spec.device)
             self._parked = 0
             return

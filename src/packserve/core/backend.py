@@ -235,7 +235,7 @@ class Backend:
 
     def host_bytes(self) -> int:
         """Bytes of host RAM its warm copy keeps: a model on a GPU that parked its weights in
-        (pinned) host memory to come back by a copy; 0 where the warm copy keeps none there
+        host memory to come back by a copy; 0 where the warm copy keeps none there
         (an engine that reads its weights back from their file). They count against the
         `cpu` device's budget."""
         return 0

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from packserve.core.background import Changed
-from packserve.core.locks import DeviceLocks
+from packserve.core.locks import Acquire, DeviceLocks
 from packserve.core.residency import HOST, Residency
 from packserve.core.resident import Resident
 from packserve.core.tiers import Tiers
@@ -104,21 +104,26 @@ class IdleReaper:
                 async with asyncio.timeout(None if math.isinf(left) else left):
                     await changed.wait()
 
-    async def reclaim_host(self, res: Resident) -> bool:
-        """Let warm copies of GPU models go cold, least recently used first, until host RAM
-        has room for `res`, a load on the CPU that waits for it; each under its own device's
-        lock (the caller holds none). Whether any went."""
+    async def reclaim_host(self, res: Resident, deadline: float, via: Acquire) -> bool:
+        """Let warm copies of GPU models go cold, least recently used first, until host RAM has
+        room for `res`, a load on the CPU that must otherwise wait; only when they can make that
+        room (else it waits for busy CPU models all the same). Each goes under its own device's
+        lock, waited for until `deadline` through `via` (the load's abandonable wait); the
+        caller holds none. Whether any went."""
+        copies = sorted((r for r in self._residency.residents.values()
+                         if r.state is State.WARM and r.warm.host_bytes),
+                        key=lambda r: r.last_used)
+        short = self._residency.used(HOST) + res.bytes - self._residency.capacity(HOST)
+        if short <= 0 or sum(r.warm.host_bytes for r in copies) < short:
+            return False
         went = False
-        while self._residency.used(HOST) + res.bytes > self._residency.capacity(HOST):
-            copies = sorted((r for r in self._residency.residents.values()
-                             if r.state is State.WARM and r.warm.host_bytes),
-                            key=lambda r: r.last_used)
-            if not copies:
+        for victim in copies:
+            if short <= 0:
                 break
-            victim = copies[0]
-            async with self._locks.hold(victim.load.device, f"reclaiming host RAM for "
-                                        f"{res.label}"):
+            async with self._locks.hold(victim.load.device, f"taking host RAM back for "
+                                        f"{res.label}", deadline=deadline, via=via):
                 if victim.state is State.WARM:  # still: nothing restored it meanwhile
+                    short -= victim.warm.host_bytes
                     await self._tiers.evict_to(victim, State.COLD, f"host RAM for {res.label}",
                                                cause="make_room")
                     went = True

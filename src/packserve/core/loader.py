@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from packserve import atomic
 from packserve.core.backend import Backend, BackendFactory, LoadSpec
-from packserve.core.memory import MemoryProbe
+from packserve.core.memory import PER_PROCESS, MemoryProbe
 from packserve.core.status import DeviceStatus
 
 log = logging.getLogger("packserve.scheduler")
@@ -200,8 +200,10 @@ class Loader:
             backend.prepare()
             if settle:
                 probe.settle()
-            if device.startswith("cuda") and device not in self.base:  # its context first
-                probe.open_device(device)
+            if (device.startswith("cuda") and device not in self.base
+                    and not backend.out_of_process  # a runner opens its own, in its bytes
+                    and probe.accounting(device) == PER_PROCESS):  # else: the device's total
+                probe.open_device(device)  # this process's context first: its base
                 probe.release(device)
                 self.base[device] = probe.used_bytes(device)
             probe.release(device)

@@ -194,12 +194,13 @@ def family(pid: int, proc: Path = Path("/proc")) -> frozenset[int]:
 
 
 def others_device_bytes(gpu: GpuMemory, index: int, ours: frozenset[int]) -> int | None:
-    """What the processes not in `ours` hold on device `index` by NVML's per-process figures,
-    or None when those are unavailable."""
+    """What device `index` holds beyond the processes in `ours`: its used memory less their
+    per-process figures, so that graphics processes and what the driver keeps count too; None
+    when per-process figures are unavailable."""
     procs = gpu.processes(index)
     if procs is None or any(used is None for _, used in procs):
         return None
-    return sum(used or 0 for p, used in procs if p not in ours)
+    return max(0, gpu.memory(index)[1] - sum(used or 0 for p, used in procs if p in ours))
 
 
 def process_device_bytes(gpu: GpuMemory, index: int, pid: int) -> int | None:
@@ -219,7 +220,8 @@ class SystemProbe:
     def __init__(self, gpu: Callable[[], GpuMemory] = Nvml, pid: int | None = None,
                  namespaced: Callable[[], bool] = in_child_pid_namespace,
                  cuda: CudaRuntime | None = None,
-                 family: Callable[[int], frozenset[int]] = family) -> None:
+                 family: Callable[[int], frozenset[int]] = family,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         libc_name = ctypes.util.find_library("c")
         self._libc = ctypes.CDLL(libc_name) if libc_name else None
         self._settled_modules = 0  # len(sys.modules) when the live objects were last frozen
@@ -230,6 +232,7 @@ class SystemProbe:
         self._cuda = cuda or TorchCuda()
         self._family = family
         self._ours: tuple[float, frozenset[int]] = (-math.inf, frozenset())  # (when, pids)
+        self._clock = clock
 
     def gpu(self) -> GpuMemory:
         if self._gpu is None:
@@ -268,7 +271,7 @@ class SystemProbe:
         """This process and its runners, read from /proc at most once a second (admission asks
         at every step, and /proc on a busy host has thousands of entries)."""
         at, pids = self._ours
-        now = time.monotonic()
+        now = self._clock()
         if now - at >= FAMILY_TTL_S:
             pids = self._family(self._pid)
             self._ours = (now, pids)

@@ -123,14 +123,14 @@ class Residency:
         return sum(r.warm.host_bytes for r in self.residents.values() if r.load.device != HOST)
 
     def _host_fits(self, res: Resident) -> bool:
-        """Whether the warm copy of `res` would fit in host RAM: what its last one parked there
-        (before any, its bytes on a GPU, none on the CPU) within `cpu`'s budget, if any."""
-        need = res.warm.host_seen
-        if need is None:
-            need = 0 if res.load.device == HOST else res.bytes
-        if need == 0 or HOST not in self.devices:
+        """Whether the warm copy of `res`, a GPU model's, would fit in host RAM: what its last
+        one parked there (before any, its bytes) within `cpu`'s budget; never without one."""
+        if res.load.device == HOST:
+            return True  # a CPU model's warm copy is part of its own bytes
+        need = res.bytes if res.warm.host_seen is None else res.warm.host_seen
+        if need == 0:
             return True
-        return self.used(HOST) + need <= self.capacity(HOST)
+        return HOST in self.devices and self.used(HOST) + need <= self.capacity(HOST)
 
     def policy(self, device: str) -> VictimPolicy:
         """The victim policy of `device` (packserve's cost-aware `CostAware` unless told
@@ -224,7 +224,7 @@ class Residency:
         """How many bytes `device` holds over its budget (<= 0: it fits), and the idle
         resident other than `keep` to evict first, in the victim policy's order (None when
         the idle ones do not cover it: then the first of them, if any, to free what there is)."""
-        over = self.used(device) - self.capacity(device)
+        over = self.used(device) - self.devices[device].capacity_bytes
         if over <= 0:
             return over, None
         views = [self.view(r) for r in self.residents.values()

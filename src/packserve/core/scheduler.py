@@ -378,14 +378,14 @@ class Scheduler:
                 raise self._failed(res, exc.message, self._clock() - t0) from exc
         retried = False
         while True:
-            # A load waiting for busy models to finish waits outside the device lock, so
-            # that a load which fits meanwhile (a small model beside a busy generator) is
-            # not held up behind it.
+            # A load waiting for busy models to finish waits outside the device lock, so that
+            # a load which fits meanwhile (a small model beside a busy generator) goes ahead.
             waiting = await self._admit_under_lock(res, device.name, deadline, retried)
             if waiting is None:
                 return
             changed, retried = waiting
-            if res.load.device == HOST and await self._idle.reclaim_host(res):
+            if res.load.device == HOST and await self._idle.reclaim_host(
+                    res, deadline, functools.partial(self._abandonable, res)):
                 continue  # warm copies of GPU models held the host RAM it needs
             await self._abandonable(res, functools.partial(
                 Changed.wait, changed, deadline - self._clock()))
