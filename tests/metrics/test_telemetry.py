@@ -100,6 +100,17 @@ def test_forced_eviction_moves_the_counter_and_the_headroom(fake: Running) -> No
     assert summary["events"][0]["kind"] == "evict" and summary["events"][0]["model"] == "emb"
 
 
+def test_what_models_may_hold_is_a_gauge_and_others_only_on_a_gpu(fake: Running) -> None:
+    with fake.client() as c:
+        (cpu,) = c.get("/v1/residency").json()["devices"]
+        metrics = scrape(c)
+    assert cpu["capacity_bytes"] == cpu["budget_bytes"] - cpu["headroom_bytes"]  # no GPU here
+    assert value(metrics, "packserve_device_capacity_bytes", device="cpu") == cpu[
+        "capacity_bytes"]
+    assert cpu["others_bytes"] is None
+    assert not any(name == "packserve_device_others_bytes" for name, _ in metrics)
+
+
 def test_eviction_for_room_and_load_seconds(fake: Running) -> None:
     with fake.client() as c:
         c.post("/v1/embeddings", json={"model": "emb", "input": "x"}).raise_for_status()

@@ -334,13 +334,24 @@ class _SnapshotCollector(Collector):
         low = GaugeMetricFamily("packserve_device_headroom_min_bytes",
                                 f"Lowest headroom over the last {t.window_s:.0f} s",
                                 labels=["device"])
+        capacity = GaugeMetricFamily(
+            "packserve_device_capacity_bytes", "What the device's models may hold now: the "
+            "budget after headroom, less other processes' bytes (GPU) and warm copies of GPU "
+            "models in host RAM (cpu)", labels=["device"])
+        others = GaugeMetricFamily("packserve_device_others_bytes",
+                                   "Bytes other processes hold on the device (NVML; GPU only)",
+                                   labels=["device"])
         for d in scheduler.devices():
             free = d.budget_bytes - d.used_bytes
             budget.add_metric([d.name], d.budget_bytes)
             used.add_metric([d.name], d.used_bytes)
             headroom.add_metric([d.name], free)
             low.add_metric([d.name], t.headroom_min(d.name, free))
-        yield from (budget, used, headroom, low)
+            if d.capacity_bytes is not None:
+                capacity.add_metric([d.name], d.capacity_bytes)
+            if d.others_bytes is not None:
+                others.add_metric([d.name], d.others_bytes)
+        yield from (budget, used, headroom, low, capacity, others)
 
         model_bytes = GaugeMetricFamily("packserve_model_bytes",
                                         "Bytes a model's weights hold, by tier", labels=[
