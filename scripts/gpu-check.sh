@@ -95,11 +95,12 @@ cuda_overlay() {
 
 prepare() {
   cd "$(dirname "$0")/.."
-  local root=$PWD py=.venv/bin/python
+  local py=.venv/bin/python
   [ -x "$py" ] || py=python3
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
-  rm -rf "$dir/wheels" "$dir/gpu" "$dir/src.tar.xz" "$dir/llama-server.xz" "$dir/report"
+  rm -rf "$dir/wheels" "$dir/gpu" "$dir/src.tar.xz" "$dir/llama-server.xz" "$dir/lib.tar.xz" \
+    "$dir/report"
   mkdir -p "$dir/wheels" "$dir/gpu"
 
   # llama-server for the card: setup.sh's own build (same flags, patches and cache) with CUDA
@@ -111,6 +112,15 @@ prepare() {
     || fail "the CUDA build of llama-server failed"
   strip -o "$dir/llama-server" "$server"
   xz -9e -T0 -f "$dir/llama-server"
+  # the C++ runtime it was linked with, used on the GPU machine only where its own is missing
+  # or older (ldd says "not found"): OpenMP's libgomp, libstdc++ and libgcc_s
+  local so
+  mkdir -p "$dir/lib.partial"
+  for so in libgomp.so.1 libstdc++.so.6 libgcc_s.so.1; do
+    cp "$(readlink -f "$(gcc -print-file-name="$so")")" "$dir/lib.partial/$so"
+  done
+  tar -C "$dir/lib.partial" -cJf "$dir/lib.tar.xz" .
+  rm -rf "$dir/lib.partial"
 
   # the wheels for CPython 3.12 on manylinux x86_64, at requirements.txt's pins
   local reqs=() name pin
@@ -129,15 +139,20 @@ prepare() {
     -d "$dir/wheels" "${reqs[@]}"
   find "$dir/wheels" -maxdepth 1 -name '*.whl' -printf '%f\n' | grep -iE "$target_has" \
     | while read -r w; do rm -f "$dir/wheels/$w"; done
-  "$py" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -w "$dir/wheels" "$root" >/dev/null
   printf '%s\n' "${reqs[@]}" > "$dir/wheels/requirements.txt"
 
-  # the check, packserve's source for its gpu tests, this script
+  # packserve's source (what git tracks or would: its gpu tests run from it on the card), and
+  # its wheel, built from that copy so that nothing is written into this checkout
+  local files=(src tests pyproject.toml README.md) build
+  git ls-files -z -co --exclude-standard -- "${files[@]}" | tar --null -T - -cJf "$dir/src.tar.xz"
+  build=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-wheel.XXXXXX")
+  tar -xJf "$dir/src.tar.xz" -C "$build"
+  "$py" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -w "$dir/wheels" "$build" >/dev/null
+  rm -rf "$build"
+  # the check and this script
   cp scripts/gpu/*.py "$dir/gpu/"
   cp scripts/gpu-check.sh "$dir/gpu-check.sh"
-  local files=(src tests pyproject.toml)
-  git ls-files -z -co --exclude-standard -- "${files[@]}" | tar --null -T - -cJf "$dir/src.tar.xz"
   {
     echo "prepared: $(date -u +%FT%TZ) on $(uname -n) from packserve $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests scripts || echo ' (with changes)')"
     echo "llama-server: CUDA sm_$arch, $(PACKSERVE_DEVICE=cuda PACKSERVE_CUDA_ARCH=$arch scripts/setup.sh --plan 2>/dev/null | sed -n 's/^llama-server: //p')"
@@ -183,8 +198,13 @@ print(":".join(dirs))
 EOF
 )
   export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ldd "$dir/bin/llama-server" 2>&1 | grep -q 'not found' && [ -f "$dir/lib.tar.xz" ]; then
+    say "the system's C++ runtime is missing or older than the build's: the shipped one"
+    mkdir -p "$dir/lib" && tar -xJf "$dir/lib.tar.xz" -C "$dir/lib"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir/lib"
+  fi
   say "llama-server's libraries: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-  if ldd "$dir/bin/llama-server" | grep 'not found'; then
+  if ldd "$dir/bin/llama-server" 2>&1 | grep 'not found'; then
     fail "llama-server misses the libraries above (torch's nvidia-cublas / cuda-runtime wheels?)"
   fi
   export PACKSERVE_LLAMA_SERVER=$dir/bin/llama-server

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -307,7 +308,14 @@ class Served:
 
 def write_config(path: Path, models: Path, port: int, device: str, *,
                  budget: str = "auto", headroom: str = "256MiB") -> Path:
-    path.write_text(f"""# written by scripts/gpu/check.py
+    """A packserve config serving the tiny models on `device`: those whose files were made (a
+    config naming a missing file is refused, and one model's failure must not stop the other)."""
+    entries = {
+        LLAMA: (models / "tiny-llama.gguf", 'tasks = ["chat", "complete"]\n'
+                'backend = "llama-server"\ncontext_length = 2048\nparallel = 4\n'),
+        BERT: (models / "tiny-bert", 'tasks = ["embed"]\nbackend = "sentence-transformers"\n'),
+    }
+    text = f"""# written by scripts/gpu/check.py
 [server]
 port = {port}
 data_dir = "{models / 'data'}"
@@ -318,23 +326,14 @@ access_log = false
 [devices."{device}"]
 memory_budget = "{budget}"
 headroom = "{headroom}"
-
-[[models]]
-name = "{LLAMA}"
-tasks = ["chat", "complete"]
-backend = "llama-server"
-source = "{models / 'tiny-llama.gguf'}"
-device = "{device}"
-context_length = 2048
-parallel = 4
-
-[[models]]
-name = "{BERT}"
-tasks = ["embed"]
-backend = "sentence-transformers"
-source = "{models / 'tiny-bert'}"
-device = "{device}"
-""", "utf-8")
+"""
+    made = [name for name, (source, _) in entries.items() if source.exists()]
+    if not made:
+        raise RuntimeError(f"no tiny model in {models} (the model steps failed)")
+    for name in made:
+        source, keys = entries[name]
+        text += f'\n[[models]]\nname = "{name}"\nsource = "{source}"\ndevice = "{device}"\n{keys}'
+    path.write_text(text, "utf-8")
     return path
 
 
@@ -403,19 +402,16 @@ class Check:
             raise RuntimeError(f"llama-server lists no CUDA0: {env['llama_server_devices']}")
         return env
 
-    def tiny_models(self) -> dict[str, Any]:
+    def tiny_model(self, name: str) -> dict[str, Any]:
         import tiny_models
 
         self.models.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-        gguf = tiny_models.write_gguf(self.models / "tiny-llama.gguf")
-        t1 = time.monotonic()
-        bert = tiny_models.write_bert(self.models / "tiny-bert")
-        t2 = time.monotonic()
-        return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
-                "gguf_seconds": round(t1 - t0, 2), "bert": str(bert),
-                "bert_bytes": sum(f.stat().st_size for f in bert.rglob("*") if f.is_file()),
-                "bert_seconds": round(t2 - t1, 2)}
+        if name == LLAMA:
+            path = tiny_models.write_gguf(self.models / "tiny-llama.gguf")
+        else:
+            path = tiny_models.write_bert(self.models / "tiny-bert")
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        return {"path": str(path), "bytes": sum(f.stat().st_size for f in files)}
 
     def plan(self) -> dict[str, Any]:
         config = write_config(self.out / "plan.toml", self.models, free_port(), self.device)
@@ -432,48 +428,57 @@ class Check:
     # one server: footprints, contexts, audit, warm/cold, SIGKILL, chats
     def main_server(self) -> None:
         port = free_port()
-        config = write_config(self.out / "packserve.toml", self.models, port, self.device)
-        log = self.out / "packserve-serve.log"
-        cm = serving(self.args.packserve, config, log, port)
-        served = self.report.run("serve", lambda: _enter(cm), needs=60)
+        config = self.out / "packserve.toml"
+        cm = serving(self.args.packserve, config, self.out / "packserve-serve.log", port)
+
+        def start() -> Served:
+            write_config(config, self.models, port, self.device)
+            return cm.__enter__()
+
+        served: Served | None = self.report.run("serve", start, needs=60)
         if served is None:  # it failed, and its process is stopped
             return
         try:
-            self.report.run("footprints", lambda: self.footprints(served), needs=60)
+            for name in (LLAMA, BERT):
+                self.report.run(f"footprint:{name}",
+                                functools.partial(self.footprint_of, served, name), needs=30)
             self.report.run("cuda_contexts", lambda: self.contexts(served))
             self.report.run("audit", lambda: self.audit(served, config), needs=20)
-            self.report.run("warm_vs_cold", lambda: self.warm_vs_cold(served), needs=60)
+            for name in (LLAMA, BERT):
+                self.report.run(f"warm_vs_cold:{name}",
+                                functools.partial(self.warm_vs_cold, served, name), needs=30)
             self.report.run("sigkill_runner", lambda: self.sigkill(served), needs=40)
             self.report.run("chats_packserve", lambda: chats(port, LLAMA, 4), needs=30)
         finally:
             cm.__exit__(None, None, None)
 
-    def footprints(self, served: Served) -> dict[str, Any]:
+    def footprint_of(self, served: Served, name: str) -> dict[str, Any]:
+        """Load `name`: the scheduler's estimate and measurement, the planner's prediction,
+        and NVML's figure for the process that holds it (the runner, or the worker)."""
         nvml = self.nvml
-        rows: dict[str, Any] = {}
-        for name in (LLAMA, BERT):
-            before_used = nvml.used() if nvml else 0
-            before = nvml.processes() if nvml else {}
-            t0 = time.monotonic()
-            served.admin(name, "load")
-            seconds = time.monotonic() - t0
-            after = nvml.processes() if nvml else {}
-            row = served.model(name)
-            holder = served.runner_pid() if name == LLAMA else served.worker_pid()
-            held = after.get(holder) if holder is not None else None
-            grew = (held or 0) - (before.get(holder) or 0) if holder is not None else None
-            rows[name] = {
-                "state": row["state"], "load_seconds_client": round(seconds, 3),
-                "estimated_bytes": row["bytes_estimated"],
-                "measured_bytes": row["bytes_measured"],
-                "planned_bytes": self.planned.get(name),
-                "nvml_process": role(holder, served.proc.pid) if holder else None,
-                "nvml_process_bytes": held,
-                "nvml_process_growth_bytes": grew,
-                "device_used_growth_bytes": nvml.used() - before_used if nvml else None,
-            }
-        self.footprint = rows
-        return {"models": rows, "devices": served.residency()["devices"]}
+        before_used = nvml.used() if nvml else 0
+        before = nvml.processes() if nvml else {}
+        t0 = time.monotonic()
+        served.admin(name, "load")
+        seconds = time.monotonic() - t0
+        after = nvml.processes() if nvml else {}
+        row = served.model(name)
+        holder = served.runner_pid() if name == LLAMA else served.worker_pid()
+        held = after.get(holder) if holder is not None else None
+        grew = (held or 0) - (before.get(holder) or 0) if holder is not None else None
+        self.footprint[name] = {
+            "state": row["state"], "load_seconds_client": round(seconds, 3),
+            "estimated_bytes": row["bytes_estimated"],
+            "measured_bytes": row["bytes_measured"],
+            "planned_bytes": self.planned.get(name),
+            "nvml_process": role(holder, served.proc.pid) if holder else None,
+            "nvml_process_bytes": held,
+            "nvml_process_growth_bytes": grew,
+            "device_used_growth_bytes": nvml.used() - before_used if nvml else None,
+        }
+        device = next((d for d in served.residency()["devices"] if d["name"] == self.device),
+                      None)
+        return {**self.footprint[name], "device_row": device}
 
     def contexts(self, served: Served) -> dict[str, Any]:
         if self.nvml is None:
@@ -482,9 +487,13 @@ class Check:
         procs = self.nvml.processes()
         listed = [{"pid": pid, "bytes": held, "role": role(pid, served.proc.pid),
                    "packserve": pid in ours} for pid, held in sorted(procs.items())]
-        return {"processes": listed,
-                "packserve_contexts": sum(1 for p in listed if p["packserve"]),
-                "note": "each process listed holds one CUDA context on the card"}
+        mine = sum(1 for p in listed if p["packserve"])
+        note = "each process listed holds one CUDA context on the card"
+        if listed and not mine:
+            note += ("; none of the pids NVML lists is packserve's: NVML reports the host's "
+                     "pids (a container's PID namespace), so per-process figures cannot be "
+                     "matched here")
+        return {"processes": listed, "packserve_contexts": mine, "note": note}
 
     def audit(self, served: Served, config: Path) -> dict[str, Any]:
         run = subprocess.run([self.args.packserve, "audit", "--server",
@@ -496,23 +505,20 @@ class Check:
         body["processes"] = [p for p in body.get("processes", []) if p.get("device") != "cpu"]
         return body
 
-    def warm_vs_cold(self, served: Served) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in (LLAMA, BERT):
-            first_answer(served.port, name)  # hot, once, so both timings below start alike
-            served.admin(name, "unload")
-            cold = first_answer(served.port, name)
-            served.admin(name, "offload")
-            warm_state = served.model(name)["state"]
-            warm = first_answer(served.port, name)
-            row = served.model(name)
-            out[name] = {"cold_first_answer_s": round(cold, 4),
-                         "warm_first_answer_s": round(warm, 4),
-                         "state_after_offload": warm_state,
-                         "server_load_seconds": row["load_seconds"],
-                         "server_restore_seconds": row["restore_seconds"],
-                         "bytes_warm": row["bytes_warm"]}
-        return out
+    def warm_vs_cold(self, served: Served, name: str) -> dict[str, Any]:
+        """Client-side seconds to the first answer from cold (unloaded) and from warm
+        (offloaded), each after one answer while hot."""
+        first_answer(served.port, name)
+        served.admin(name, "unload")
+        cold = first_answer(served.port, name)
+        served.admin(name, "offload")
+        warm_state = served.model(name)["state"]
+        warm = first_answer(served.port, name)
+        row = served.model(name)
+        return {"cold_first_answer_s": round(cold, 4), "warm_first_answer_s": round(warm, 4),
+                "state_after_offload": warm_state, "server_load_seconds": row["load_seconds"],
+                "server_restore_seconds": row["restore_seconds"],
+                "bytes_warm": row["bytes_warm"]}
 
     def sigkill(self, served: Served) -> dict[str, Any]:
         nvml = self.nvml
@@ -546,7 +552,7 @@ class Check:
         size = {n: max(int(r.get("measured_bytes") or 0), int(r.get("estimated_bytes") or 0))
                 for n, r in self.footprint.items()}
         if len(size) < 2:
-            raise RuntimeError("needs both models' footprints (the footprints step failed)")
+            raise RuntimeError("needs both models' footprints (a footprint step failed)")
         headroom = 16 * MiB
         budget = headroom + max(size.values()) + min(size.values()) // 2
         port = free_port()
@@ -602,22 +608,19 @@ class Check:
         return {"files": files, "returncode": run.returncode, "tail": tail}
 
 
-def _enter(cm: contextlib.AbstractContextManager[Served]) -> Served:
-    return cm.__enter__()
-
-
 # -- the table ----------------------------------------------------------------------------------
 
 def table(report: dict[str, Any]) -> str:
     steps = report["steps"]
     lines = ["packserve prepared GPU check", ""]
-    lines.append(f"{'step':<18} {'ok':<5} {'seconds':>8}  note")
+    lines.append(f"{'step':<24} {'ok':<5} {'seconds':>8}  note")
     for name, step in steps.items():
         note = step.get("error") or step.get("skipped") or ""
-        lines.append(f"{name:<18} {'yes' if step['ok'] else 'NO':<5} "
+        lines.append(f"{name:<24} {'yes' if step['ok'] else 'NO':<5} "
                      f"{step.get('seconds', ''):>8}  {str(note)[:90]}")
-    fp = (steps.get("footprints") or {}).get("result") or {}
-    if fp:
+    fp = {"models": {n: steps[f"footprint:{n}"]["result"] for n in (LLAMA, BERT)
+                     if (steps.get(f"footprint:{n}") or {}).get("ok")}}
+    if fp["models"]:
         lines += ["", f"{'model':<12} {'estimated':>11} {'measured':>11} {'planned':>11} "
                   f"{'NVML/proc':>11}  process"]
         for name, r in fp["models"].items():
@@ -629,7 +632,8 @@ def table(report: dict[str, Any]) -> str:
         lines += ["", "CUDA contexts (NVML's process list):"]
         lines += [f"  pid {p['pid']:<8} {_mib(p['bytes']):>11}  {p['role']}"
                   for p in ctx["processes"]]
-    wc = (steps.get("warm_vs_cold") or {}).get("result")
+    wc = {n: steps[f"warm_vs_cold:{n}"]["result"] for n in (LLAMA, BERT)
+          if (steps.get(f"warm_vs_cold:{n}") or {}).get("ok")}
     if wc:
         lines += ["", f"{'first answer':<12} {'cold s':>8} {'warm s':>8}"]
         lines += [f"{n:<12} {r['cold_first_answer_s']:>8} {r['warm_first_answer_s']:>8}"
@@ -670,13 +674,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=360.0, help="seconds for everything")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    manifest = HERE.parent / "MANIFEST.txt"  # the prepared folder's: what was built, from what
     report = Report(args.out / "report.json", time.monotonic() + args.deadline,
                     meta={"device": args.device, "deadline_s": args.deadline,
-                          "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                          "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          "prepared": (manifest.read_text("utf-8").splitlines()[:2]
+                                       if manifest.is_file() else None)})
     check = Check(args, report)
     t0 = time.monotonic()
     report.run("environment", check.environment)
-    report.run("tiny_models", check.tiny_models, needs=30)
+    report.run(f"model:{LLAMA}", lambda: check.tiny_model(LLAMA), needs=10)
+    report.run(f"model:{BERT}", lambda: check.tiny_model(BERT), needs=30)
     report.run("plan", check.plan, needs=10)
     check.main_server()
     report.run("eviction", check.eviction, needs=60)
