@@ -143,7 +143,7 @@ prepare() {
 
   # packserve's source (what git tracks or would: its gpu tests run from it on the card), and
   # its wheel, built from that copy so that nothing is written into this checkout
-  local files=(src tests pyproject.toml README.md) build
+  local files=(src tests scripts/gpu scripts/gpu-check.sh pyproject.toml README.md) build
   git ls-files -z -co --exclude-standard -- "${files[@]}" | tar --null -T - -cJf "$dir/src.tar.xz"
   build=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-wheel.XXXXXX")
   tar -xJf "$dir/src.tar.xz" -C "$build"

@@ -103,6 +103,35 @@ def test_prepared_refuses_a_folder_prepare_did_not_make(tmp_path: Path) -> None:
     assert "is not a prepared folder" in run.stderr
 
 
+def test_setup_server_only_finds_the_cached_cuda_build_and_touches_nothing(tmp_path: Path) -> None:
+    """`setup.sh --server-only` (what --prepare builds llama-server with) answers with the
+    folder `--plan` names for the same build, here already holding a binary: no build runs, no
+    .venv is read or written."""
+    bin_dir = tmp_path / "bin"  # a stand-in nvcc: setup asks for one before a CUDA build
+    bin_dir.mkdir()
+    (bin_dir / "nvcc").write_text("#!/bin/sh\necho nvcc 13.0\n")
+    (bin_dir / "nvcc").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSERVE_")}
+    env.update({"PACKSERVE_DEVICE": "cuda", "PACKSERVE_CUDA_ARCH": "90",
+                "PACKSERVE_WHEEL_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path),
+                "PATH": f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}"})
+    plan = subprocess.run(["bash", "scripts/setup.sh", "--plan"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    cached = Path(next(line for line in plan.stdout.splitlines()
+                       if line.startswith("llama-server cache: ")).split(": ", 1)[1])
+    cached.mkdir(parents=True)
+    (cached / "llama-server").write_text("#!/bin/sh\n")
+    (cached / "llama-server").chmod(0o755)
+    stamp = ROOT / ".venv" / ".packserve-setup"
+    before = stamp.read_bytes() if stamp.exists() else None
+    run = subprocess.run(["bash", "scripts/setup.sh", "--server-only"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(cached / "llama-server")
+    assert "-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90" in plan.stdout
+    assert (stamp.read_bytes() if stamp.exists() else None) == before
+
+
 @pytest.mark.gpu
 def test_the_cuda_llama_server_holds_the_tiny_gguf_on_the_card(tiny_gguf: Path) -> None:
     """On the card (scripts/gpu-check.sh --prepared): the CUDA build lists CUDA0, offloads
