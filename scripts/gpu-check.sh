@@ -173,6 +173,7 @@ prepared() {
     if "$py" -m venv --system-site-packages "$venv" 2>/dev/null; then
       pipv() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
     else  # no ensurepip (Debian's python3-venv missing): the system's pip installs into it
+      rm -rf "$venv"
       "$py" -m venv --system-site-packages --without-pip "$venv"
       pipv() { "$py" -m pip --disable-pip-version-check --python "$venv/bin/python" "$@"; }
     fi
@@ -197,7 +198,9 @@ for sp in site.getsitepackages():
 print(":".join(dirs))
 EOF
 )
-  export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # then the toolkit's (nvcc's prefix), for what torch's wheels do not have
+  libs+=":${PACKSERVE_CUDA_HOME:-/usr/local/cuda}/lib64"
+  export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   if ldd "$dir/bin/llama-server" 2>&1 | grep -q 'not found' && [ -f "$dir/lib.tar.xz" ]; then
     say "the system's C++ runtime is missing or older than the build's: the shipped one"
     mkdir -p "$dir/lib" && tar -xJf "$dir/lib.tar.xz" -C "$dir/lib"

@@ -344,7 +344,11 @@ def serving(packserve: str, config: Path, log: Path, port: int) -> Iterator[Serv
                                 stderr=subprocess.STDOUT, start_new_session=True)
     served = Served(proc, port, log)
     try:
-        wait_healthy(port, proc, 90, "/healthz")
+        try:
+            wait_healthy(port, proc, 90, "/healthz")
+        except (RuntimeError, TimeoutError) as exc:
+            tail = log.read_text("utf-8", errors="replace")[-1200:]
+            raise RuntimeError(f"packserve serve: {exc}; its log ends:\n{tail}") from exc
         yield served
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -416,7 +420,9 @@ class Check:
     def plan(self) -> dict[str, Any]:
         config = write_config(self.out / "plan.toml", self.models, free_port(), self.device)
         run = subprocess.run([self.args.packserve, "plan", "--config", str(config), "--json"],
-                             capture_output=True, text=True, timeout=120, check=True)
+                             capture_output=True, text=True, timeout=120, check=False)
+        if run.returncode != 0:
+            raise RuntimeError(f"packserve plan exited {run.returncode}: {run.stderr[-800:]}")
         body = json.loads(run.stdout)
         self.planned = {m["name"]: int(m["total_bytes"]) for m in body["models"]}
         return {"models": {m["name"]: {k: m[k] for k in ("weights_bytes", "kv_cache_bytes",
