@@ -95,7 +95,7 @@ cuda_overlay() {
 
 prepare() {
   cd "$(dirname "$0")/.."
-  local py=.venv/bin/python
+  local py=$PWD/.venv/bin/python
   [ -x "$py" ] || py=python3
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
