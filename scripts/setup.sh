@@ -7,6 +7,9 @@
 #                           instructor, llama-index) in .venv-clients
 #   scripts/setup.sh --plan [--dev]  say which build it would make (CPU or CUDA) and why, with
 #                           the flags and cache folders, then exit: nothing is installed
+#   scripts/setup.sh --server-only  build llama-server only (or find it in the cache), into the
+#                           cache folder --plan names, print its path and exit: .venv is not
+#                           touched (scripts/gpu-check.sh --prepare builds the CUDA one this way)
 # The build fits the machine (scripts/detect-device.sh): CUDA when an NVIDIA driver answers
 # (nvidia-smi) or PACKSERVE_DEVICE=cuda, the CPU build otherwise or with PACKSERVE_DEVICE=cpu;
 # PACKSERVE_CUDA_ARCH overrides the compute capability compiled for. A CPU build downloads no
@@ -19,11 +22,13 @@ cd "$(dirname "$0")/.."
 
 mode=serve
 plan=false
+server_only=false
 for arg in "$@"; do
   case "$arg" in
     --dev) mode=dev ;;
     --plan) plan=true ;;
-    *) echo "usage: scripts/setup.sh [--dev] [--plan]" >&2; exit 2 ;;
+    --server-only) server_only=true ;;
+    *) echo "usage: scripts/setup.sh [--dev] [--plan] [--server-only]" >&2; exit 2 ;;
   esac
 done
 PYTHON=${PYTHON:-python3}
@@ -60,7 +65,7 @@ fi
 stamp=.venv/.packserve-setup
 want=$( (cat requirements.txt requirements-dev.txt requirements-pool.txt requirements-clients.txt pyproject.toml scripts/setup.sh scripts/detect-device.sh scripts/patches/*; echo "$device_build $cuda_arch") | sha256sum | cut -d' ' -f1)
 have=$(cat "$stamp" 2>/dev/null || true)
-if ! $plan && { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
+if ! $plan && ! $server_only && { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
     && [ -f .venv/.llama-cpp-patches ] && [ -x .venv/bin/llama-server ]; then
   exit 0
 fi
@@ -118,23 +123,13 @@ if $plan; then
   exit 0
 fi
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check "$@"; }
+# pip of .venv; --server-only, which leaves .venv alone, downloads the source with the Python
+# that the cache key names
+pip_python=.venv/bin/python
+! $server_only || pip_python=$py_python
+pip() { "$pip_python" -m pip --disable-pip-version-check "$@"; }
 # nvcc for CMake's CUDA language, where it is not on PATH
 [ -z "$nvcc" ] || export CUDACXX=$nvcc
-
-if [ "$mode" = dev ]; then
-  # torch first, pinned, so that sentence-transformers does not pull another build.
-  have_torch=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true)
-  if [ "$have_torch" != "$torch_pin" ]; then
-    echo "packserve setup: torch==$torch_pin, for the sentence-transformers engines (--dev)" >&2
-    if [ "$device_build" = cpu ] && pip install -q --no-index --no-deps "torch==$torch_pin" 2>/dev/null; then
-      pip install -q "torch==$torch_pin"  # its dependencies; torch itself came from the folder
-    else
-      pip install -q "torch==$torch_pin" --index-url "$torch_index"
-    fi
-  fi
-fi
 
 # The patched source, unpacked once when the wheel or the server below must be built.
 source_dir=""
@@ -160,21 +155,11 @@ llama_source() {
   fi
 }
 trap '[ -n "$source_dir" ] && rm -rf "$(dirname "$source_dir")"' EXIT
-# A folder without patches.sha256 was built before the record was kept: built anew.
-if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
-    || [ ! -f "$wheel_dir/patches.sha256" ]; then
-  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
-  llama_source
-  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
-  CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
-  # What the wheel was built with, for tests/test_engine_build.py.
-  (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$wheel_dir.partial/patches.sha256"
-  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
-fi
 # llama.cpp's own server, from the same patched source and flags: the runner process of the
 # llama-server engine (one per loaded GGUF model; docs/engines.md). llama.cpp linked in, so it needs
 # nothing from the wheel; no web UI, no TLS, nothing downloaded at build or run time.
-if [ ! -x "$server_dir/llama-server" ]; then
+build_llama_server() {
+  [ ! -x "$server_dir/llama-server" ] || return 0
   echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; 6-12 min) into $server_dir" >&2
   llama_source
   for p in "${server_patches[@]}"; do
@@ -188,7 +173,38 @@ if [ ! -x "$server_dir/llama-server" ]; then
   cp "$build_dir/bin/llama-server" "$server_dir.partial/"
   (cd scripts/patches && sha256sum llama-cpp-python-*.patch llama-server-*.patch) > "$server_dir.partial/patches.sha256"
   rm -rf "$server_dir" && mv "$server_dir.partial" "$server_dir"
+}
+if $server_only; then
+  build_llama_server
+  echo "$server_dir/llama-server"
+  exit 0
 fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+if [ "$mode" = dev ]; then
+  # torch first, pinned, so that sentence-transformers does not pull another build.
+  have_torch=$(.venv/bin/python -c 'from importlib.metadata import version; print(version("torch"))' 2>/dev/null || true)
+  if [ "$have_torch" != "$torch_pin" ]; then
+    echo "packserve setup: torch==$torch_pin, for the sentence-transformers engines (--dev)" >&2
+    if [ "$device_build" = cpu ] && pip install -q --no-index --no-deps "torch==$torch_pin" 2>/dev/null; then
+      pip install -q "torch==$torch_pin"  # its dependencies; torch itself came from the folder
+    else
+      pip install -q "torch==$torch_pin" --index-url "$torch_index"
+    fi
+  fi
+fi
+
+# A folder without patches.sha256 was built before the record was kept: built anew.
+if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
+    || [ ! -f "$wheel_dir/patches.sha256" ]; then
+  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
+  llama_source
+  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
+  CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
+  # What the wheel was built with, for tests/test_engine_build.py.
+  (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$wheel_dir.partial/patches.sha256"
+  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
+fi
+build_llama_server
 # An older .venv may hold a native build under the same version number: replace it unless it is
 # the one built with these flags.
 if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ] \

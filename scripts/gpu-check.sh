@@ -1,0 +1,267 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 31 item 5; docs/gpu.md): packserve on an NVIDIA card in minutes,
+# on a machine with no package registry and at most 64 MiB copied to it.
+#
+#   scripts/gpu-check.sh --prepare DIR   (a connected machine, in a packserve checkout) build DIR,
+#       under 64 MiB: the wheels packserve's server and the check need that the GPU machine
+#       lacks (CPython 3.12, manylinux x86_64; not torch, nvidia-*, numpy or llama-cpp-python),
+#       packserve's own wheel and source (its gpu tests), llama-server built for CUDA sm_90
+#       (PACKSERVE_CUDA_ARCH) with setup.sh's flags and patches, xz-compressed, and this check.
+#       Prints DIR's size and fails over 64 MiB.
+#   DIR/gpu-check.sh --prepared DIR      (the GPU machine: python3 3.12 with torch+CUDA,
+#       nvidia-ml-py and sentence-transformers; no registry) install the wheels into a venv
+#       over the system's packages (--no-index), generate tiny models, serve them on cuda:0 and
+#       write DIR/report/report.json and report.txt (scripts/gpu/check.py: at most 6 minutes),
+#       then run the tests marked gpu.
+#   scripts/gpu-check.sh --dry-run [DIR] (any machine, in a checkout with .venv) every step that
+#       needs no card: the fake-CUDA tests, the tiny models (the GGUF in the CPU llama-server,
+#       the BERT in sentence-transformers on the CPU), DIR's size; then fails saying no NVIDIA
+#       driver was found (or says the driver is there: run --prepared).
+set -euo pipefail
+
+limit=$((64 * 1024 * 1024))
+say() { echo "gpu-check: $*" >&2; }
+fail() { say "$*"; exit 1; }
+usage() { echo "usage: scripts/gpu-check.sh --prepare DIR | --prepared DIR | --dry-run [DIR]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+mode=$1
+dir=${2:-}
+case "$mode" in
+  --prepare|--prepared) [ -n "$dir" ] || usage ;;
+  --dry-run) ;;
+  *) usage ;;
+esac
+
+# What the GPU machine has, and so is not shipped: torch and NVIDIA's libraries, numpy (torch,
+# transformers), nvidia-ml-py, sentence-transformers and what comes with them
+# (huggingface_hub, safetensors, tokenizers); llama.cpp runs as the llama-server runner, so no
+# llama-cpp-python either.
+ship=(fastapi uvicorn httptools pydantic httpx orjson rich prometheus-client jsonschema gguf)
+test_tools=(pytest)
+target_has='^(numpy|torch|triton|nvidia[-_].*|nvidia-ml-py|safetensors|huggingface[-_]hub|tokenizers|transformers|sentence[-_]transformers)-'
+# CUDA 13.0's cuBLAS, for a toolkit installed without it (the build machines'): the toolkit's own
+# major and minor, so the binary asks nothing of a newer one; the GPU machine's comes with torch.
+cublas_pin=nvidia-cublas==13.0.2.14
+
+size_of() { du -sb "$1" | cut -f1; }
+check_size() {
+  local bytes
+  bytes=$(size_of "$1")
+  echo "gpu-check: $1 holds $bytes bytes ($((bytes / 1024 / 1024)) MiB; the limit is 64 MiB)"
+  [ "$bytes" -le "$limit" ] || { say "$1 is over 64 MiB ($bytes bytes)"; return 1; }
+}
+
+driver_answers() {
+  command -v nvidia-smi >/dev/null 2>&1 \
+    && nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader >/dev/null 2>&1
+}
+
+# --- the CUDA toolkit's missing pieces, for the compile here ------------------------------------
+# cuBLAS from PyPI (headers, libcublas.so.13) and, where the toolkit has no stubs/, a libcuda.so
+# stub with the driver API's names (soname libcuda.so.1) so that the link resolves: the real
+# libcuda.so.1 is the driver's, loaded on the GPU machine at run time. Kept in a scratch prefix,
+# never in .venv; CMake finds them through CPATH and CMAKE_LIBRARY_PATH.
+cuda_overlay() {
+  local cuda=${PACKSERVE_CUDA_HOME:-/usr/local/cuda} overlay=$1 py=$2
+  [ -f "$cuda/include/cublas_v2.h" ] && { [ -e "$cuda/lib64/stubs/libcuda.so" ] \
+    || [ -e "$cuda/lib64/libcuda.so" ]; } && return 0
+  mkdir -p "$overlay/include" "$overlay/lib"
+  if [ ! -f "$cuda/include/cublas_v2.h" ] && [ ! -e "$overlay/lib/libcublas.so" ]; then
+    say "the CUDA toolkit in $cuda has no cuBLAS: $cublas_pin from PyPI into $overlay"
+    rm -rf "$overlay/wheel" && mkdir -p "$overlay/wheel"
+    "$py" -m pip download -q --no-deps --only-binary=:all: -d "$overlay/wheel" "$cublas_pin"
+    (cd "$overlay/wheel" && "$py" -m zipfile -e ./*.whl .)
+    local lib inc
+    lib=$(dirname "$(find "$overlay/wheel" -name 'libcublas.so.*' | head -1)")
+    inc=$(dirname "$(find "$overlay/wheel" -name cublas_v2.h | head -1)")
+    ln -sf "$inc"/*.h "$overlay/include/"
+    for so in libcublas libcublasLt; do
+      ln -sf "$lib/$so.so.13" "$overlay/lib/$so.so.13"
+      ln -sf "$so.so.13" "$overlay/lib/$so.so"
+    done
+  fi
+  if [ ! -e "$cuda/lib64/stubs/libcuda.so" ] && [ ! -e "$cuda/lib64/libcuda.so" ] \
+      && [ ! -e "$overlay/lib/libcuda.so" ]; then
+    say "no libcuda.so stub in $cuda: one made from cuda.h's names into $overlay/lib"
+    echo '#include <cuda.h>' | gcc -E -I"$cuda/include" -x c - | tr '\n' ' ' \
+      | grep -oP '\bCUresult\s+\K(cu\w+)(?=\s*\()' | sort -u \
+      | sed 's/.*/int &(void) { return 999; }/' > "$overlay/libcuda-stub.c"
+    gcc -shared -fPIC -o "$overlay/lib/libcuda.so" -Wl,-soname,libcuda.so.1 "$overlay/libcuda-stub.c"
+  fi
+  export CPATH="$overlay/include${CPATH:+:$CPATH}"
+  export CMAKE_LIBRARY_PATH="$overlay/lib${CMAKE_LIBRARY_PATH:+:$CMAKE_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$overlay/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+}
+
+prepare() {
+  cd "$(dirname "$0")/.."
+  local py=$PWD/.venv/bin/python
+  [ -x "$py" ] || py=python3
+  mkdir -p "$dir"
+  dir=$(cd "$dir" && pwd)
+  rm -rf "$dir/wheels" "$dir/gpu" "$dir/src.tar.xz" "$dir/llama-server.xz" "$dir/lib.tar.xz" \
+    "$dir/report"
+  mkdir -p "$dir/wheels" "$dir/gpu"
+
+  # llama-server for the card: setup.sh's own build (same flags, patches and cache) with CUDA
+  local arch=${PACKSERVE_CUDA_ARCH:-90} overlay server
+  overlay=${PACKSERVE_CUDA_OVERLAY:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/cuda-overlay}
+  cuda_overlay "$overlay" "$py"
+  say "llama-server for CUDA sm_$arch (scripts/setup.sh --server-only; a first build takes long)"
+  server=$(PACKSERVE_DEVICE=cuda PACKSERVE_CUDA_ARCH=$arch scripts/setup.sh --server-only) \
+    || fail "the CUDA build of llama-server failed"
+  strip -o "$dir/llama-server" "$server"
+  xz -9e -T0 -f "$dir/llama-server"
+  # the C++ runtime it was linked with, used on the GPU machine only where its own is missing
+  # or older (ldd says "not found"): OpenMP's libgomp, libstdc++ and libgcc_s
+  local so
+  mkdir -p "$dir/lib.partial"
+  for so in libgomp.so.1 libstdc++.so.6 libgcc_s.so.1; do
+    cp "$(readlink -f "$(gcc -print-file-name="$so")")" "$dir/lib.partial/$so"
+  done
+  tar -C "$dir/lib.partial" -cJf "$dir/lib.tar.xz" .
+  rm -rf "$dir/lib.partial"
+
+  # the wheels for CPython 3.12 on manylinux x86_64, at requirements.txt's pins
+  local reqs=() name pin
+  for name in "${ship[@]}"; do
+    pin=$(grep -iE "^${name}==" requirements.txt) || fail "requirements.txt pins no $name"
+    reqs+=("$pin")
+  done
+  for name in "${test_tools[@]}"; do
+    pin=$(grep -ihE "^${name}==" requirements-dev.txt) || pin=$name
+    reqs+=("$pin")
+  done
+  say "wheels for CPython 3.12: ${reqs[*]}"
+  "$py" -m pip download -q --disable-pip-version-check --only-binary=:all: \
+    --python-version 3.12 --implementation cp --abi cp312 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+    -d "$dir/wheels" "${reqs[@]}"
+  find "$dir/wheels" -maxdepth 1 -name '*.whl' -printf '%f\n' | grep -iE "$target_has" \
+    | while read -r w; do rm -f "$dir/wheels/$w"; done
+  printf '%s\n' "${reqs[@]}" > "$dir/wheels/requirements.txt"
+
+  # packserve's source (what git tracks or would: its gpu tests run from it on the card), and
+  # its wheel, built from that copy so that nothing is written into this checkout
+  local files=(src tests scripts/gpu scripts/gpu-check.sh pyproject.toml README.md) build
+  git ls-files -z -co --exclude-standard -- "${files[@]}" | tar --null -T - -cJf "$dir/src.tar.xz"
+  build=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-wheel.XXXXXX")
+  tar -xJf "$dir/src.tar.xz" -C "$build"
+  "$py" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+    -w "$dir/wheels" "$build" >/dev/null
+  rm -rf "$build"
+  # the check and this script
+  cp scripts/gpu/*.py "$dir/gpu/"
+  cp scripts/gpu-check.sh "$dir/gpu-check.sh"
+  {
+    echo "prepared: $(date -u +%FT%TZ) on $(uname -n) from packserve $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests scripts || echo ' (with changes)')"
+    echo "llama-server: CUDA sm_$arch, $(PACKSERVE_DEVICE=cuda PACKSERVE_CUDA_ARCH=$arch scripts/setup.sh --plan 2>/dev/null | sed -n 's/^llama-server: //p')"
+    echo "llama-server sha256 (unpacked): $(sha256sum "$server" | cut -d' ' -f1) (before strip)"
+    (cd "$dir" && find . -type f ! -name MANIFEST.txt -printf '%s %p\n' | sort -k2)
+  } > "$dir/MANIFEST.txt"
+  check_size "$dir" || exit 1
+}
+
+prepared() {
+  [ -f "$dir/llama-server.xz" ] && [ -d "$dir/wheels" ] || fail "$dir is not a prepared folder"
+  dir=$(cd "$dir" && pwd)
+  driver_answers || fail "no NVIDIA driver answers (nvidia-smi): run this on the GPU machine"
+  local py=${PYTHON:-python3} venv=$dir/venv
+  say "python: $("$py" -c 'import sys; print(sys.version.split()[0])'), $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+  if [ ! -x "$venv/bin/packserve" ]; then
+    rm -rf "$venv"
+    if "$py" -m venv --system-site-packages "$venv" 2>/dev/null; then
+      pipv() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+    else  # no ensurepip (Debian's python3-venv missing): the system's pip installs into it
+      rm -rf "$venv"
+      "$py" -m venv --system-site-packages --without-pip "$venv"
+      pipv() { "$py" -m pip --disable-pip-version-check --python "$venv/bin/python" "$@"; }
+    fi
+    # what the system already has at a version packserve accepts stays the system's
+    pipv install -q --no-index --find-links "$dir/wheels" -r "$dir/wheels/requirements.txt"
+    pipv install -q --no-index --no-deps "$dir"/wheels/packserve-*.whl
+  fi
+  mkdir -p "$dir/bin" "$dir/src"
+  xz -dc "$dir/llama-server.xz" > "$dir/bin/llama-server"
+  chmod +x "$dir/bin/llama-server"
+  tar -xJf "$dir/src.tar.xz" -C "$dir/src"
+  # cudart and cuBLAS for llama-server: torch's NVIDIA wheels (site-packages/nvidia/...)
+  local libs
+  libs=$("$venv/bin/python" - <<'EOF'
+import site, pathlib
+dirs = []
+for sp in site.getsitepackages():
+    for name in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13"):
+        for hit in sorted(pathlib.Path(sp).glob(f"nvidia/**/{name}")):
+            if str(hit.parent) not in dirs:
+                dirs.append(str(hit.parent))
+print(":".join(dirs))
+EOF
+)
+  # then the toolkit's (nvcc's prefix), for what torch's wheels do not have
+  libs+=":${PACKSERVE_CUDA_HOME:-/usr/local/cuda}/lib64"
+  export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ldd "$dir/bin/llama-server" 2>&1 | grep -q 'not found' && [ -f "$dir/lib.tar.xz" ]; then
+    say "the system's C++ runtime is missing or older than the build's: the shipped one"
+    mkdir -p "$dir/lib" && tar -xJf "$dir/lib.tar.xz" -C "$dir/lib"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir/lib"
+  fi
+  say "llama-server's libraries: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  if ldd "$dir/bin/llama-server" 2>&1 | grep 'not found'; then
+    fail "llama-server misses the libraries above (torch's nvidia-cublas / cuda-runtime wheels?)"
+  fi
+  export PACKSERVE_LLAMA_SERVER=$dir/bin/llama-server
+  local rc=0
+  timeout 420 "$venv/bin/python" "$dir/gpu/check.py" --out "$dir/report" \
+    --llama-server "$dir/bin/llama-server" --packserve "$venv/bin/packserve" \
+    --tests "$dir/src" --device cuda:0 || rc=$?
+  say "report: $dir/report/report.json and report.txt (exit $rc)"
+  return "$rc"
+}
+
+dry_run() {
+  cd "$(dirname "$0")/.."
+  [ -x .venv/bin/python ] || fail "no .venv here: scripts/setup.sh --dev first"
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+  local py=.venv/bin/python failed=()
+  tmp=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-dry.XXXXXX")  # global: the trap reads it
+  trap 'rm -rf "$tmp"' EXIT
+  # 1. the fake-CUDA tests
+  if [ -f tests/core/test_fake_cuda.py ]; then
+    say "fake-CUDA tests (tests/core/test_fake_cuda.py)"
+    "$py" -m pytest -q -p no:cacheprovider tests/core/test_fake_cuda.py >&2 || failed+=(fake-cuda-tests)
+  else
+    say "fake-CUDA tests: skipped, tests/core/test_fake_cuda.py is not in this checkout yet"
+  fi
+  # 2. the tiny models, and that they load on the CPU
+  say "tiny models into $tmp"
+  if "$py" scripts/gpu/tiny_models.py "$tmp" >/dev/null 2>"$tmp/models.log"; then
+    "$py" scripts/gpu/load_check.py --gguf "$tmp/tiny-llama.gguf" --bert "$tmp/tiny-bert" \
+      --llama-server "${PACKSERVE_LLAMA_SERVER:-.venv/bin/llama-server}" >&2 || failed+=(tiny-models-load)
+  else
+    cat "$tmp/models.log" >&2
+    failed+=(tiny-models)
+  fi
+  # 3. the prepared folder's size
+  if [ -n "$dir" ]; then
+    if [ -f "$dir/llama-server.xz" ] && [ -d "$dir/wheels" ] && [ -f "$dir/gpu/check.py" ]; then
+      check_size "$dir" || failed+=(size)
+    else
+      say "$dir is not a prepared folder (scripts/gpu-check.sh --prepare $dir)"
+      failed+=(prepared-folder)
+    fi
+  fi
+  [ ${#failed[@]} -eq 0 ] || fail "dry run: failed: ${failed[*]}"
+  if driver_answers; then
+    say "dry run passed; an NVIDIA driver answers here: run --prepared DIR for the check on the card"
+    return 0
+  fi
+  say "dry run passed; no NVIDIA driver was found (nvidia-smi), so the steps on the card did not run"
+  return 1
+}
+
+case "$mode" in
+  --prepare) prepare ;;
+  --prepared) prepared ;;
+  --dry-run) dry_run ;;
+esac

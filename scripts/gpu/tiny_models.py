@@ -1,0 +1,192 @@
+"""Tiny models made on the spot, for the prepared GPU check (scripts/gpu-check.sh): nothing is
+downloaded and nothing of the packaged models is copied to the GPU machine.
+
+- `write_gguf(path)`: a llama-architecture GGUF with random weights (f16) and a SentencePiece
+  vocabulary llama.cpp accepts (byte fallback, a ChatML template), about 26 MB at the default
+  shape: big enough that its device bytes stand out of NVML's granularity, small enough to load
+  in well under a second.
+- `write_bert(folder)`: a random BERT saved by sentence-transformers (safetensors, a WordPiece
+  tokenizer, mean pooling), about 28 MB, loadable with `SentenceTransformer(folder)`.
+
+The GGUF needs only numpy and the `gguf` package; the BERT needs transformers and
+sentence-transformers (which the GPU machine has, torch with them).
+
+    python3 scripts/gpu/tiny_models.py OUT   # writes OUT/tiny-llama.gguf and OUT/tiny-bert/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+_WORD_TEXT = ("the of and to in is that for it as with was on be by this are or from at an "
+              "which have not but all they one you were can there what more when will would "
+              "about has been their if some into so its other than then out only time these "
+              "model memory card load hello world answer question packserve")
+WORDS = tuple(_WORD_TEXT.split())
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The GGUF's architecture; the default is about 13M parameters (26 MB in f16)."""
+
+    n_embd: int = 512
+    n_layer: int = 4
+    n_head: int = 8
+    n_head_kv: int = 4
+    n_ff: int = 1408
+    context: int = 2048
+
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary: specials, the 256 byte-fallback pieces llama.cpp needs, then
+    single characters and some words with `▁` for the space, scored so longer pieces win."""
+    tt = {"normal": 1, "unknown": 2, "control": 3, "byte": 6}
+    tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    types = [tt["unknown"], tt["control"], tt["control"], tt["control"], tt["control"]]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [tt["byte"]] * 256
+    pieces = ["▁", *string.ascii_letters, *string.digits, *string.punctuation]
+    pieces += ["▁" + c for c in string.ascii_letters + string.digits]
+    pieces += ["▁" + w for w in WORDS]
+    pieces += WORDS
+    seen: set[str] = set()
+    for piece in pieces:
+        if piece not in seen:
+            seen.add(piece)
+            tokens.append(piece)
+            types.append(tt["normal"])
+    scores = [0.0] * 261 + [float(len(t)) - 100.0 for t in tokens[261:]]
+    return tokens, scores, types
+
+
+def write_gguf(path: Path, shape: LlamaShape = LlamaShape(), seed: int = 0) -> Path:
+    """A random-weight llama GGUF at `path` (f16 matrices, f32 norms)."""
+    import gguf
+
+    tokens, scores, types = _spm_vocab()
+    n_vocab = len(tokens)
+    head_dim = shape.n_embd // shape.n_head
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        # numpy's (rows, cols) is ggml's ne = (cols, rows)
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("packserve-gpu-check-tiny-llama")
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.n_embd)
+    w.add_block_count(shape.n_layer)
+    w.add_feed_forward_length(shape.n_ff)
+    w.add_head_count(shape.n_head)
+    w.add_head_count_kv(shape.n_head_kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHATML)
+
+    ones = np.ones(shape.n_embd, dtype=np.float32)
+    kv = shape.n_head_kv * head_dim
+    w.add_tensor("token_embd.weight", mat(n_vocab, shape.n_embd))
+    for i in range(shape.n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.attn_q.weight", mat(shape.n_embd, shape.n_embd))
+        w.add_tensor(f"blk.{i}.attn_k.weight", mat(kv, shape.n_embd))
+        w.add_tensor(f"blk.{i}.attn_v.weight", mat(kv, shape.n_embd))
+        w.add_tensor(f"blk.{i}.attn_output.weight", mat(shape.n_embd, shape.n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(shape.n_ff, shape.n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(shape.n_ff, shape.n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(shape.n_embd, shape.n_ff))
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", mat(n_vocab, shape.n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _wordpiece_vocab() -> list[str]:
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab += list(string.ascii_lowercase + string.digits + string.punctuation)
+    vocab += ["##" + c for c in string.ascii_lowercase + string.digits]
+    vocab += [w for w in WORDS if w not in vocab]
+    return vocab
+
+
+def write_bert(folder: Path, hidden: int = 384, layers: int = 4, seed: int = 0) -> Path:
+    """A random BERT as a sentence-transformers folder (model.safetensors, a WordPiece
+    tokenizer, mean pooling) at `folder`."""
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer, models  # type: ignore[attr-defined]
+    from transformers import BertConfig, BertModel
+
+    # transformers 5 folds the fast tokenizer into BertTokenizer; 4.x names it BertTokenizerFast
+    bert_tokenizer = (getattr(transformers, "BertTokenizerFast", None)
+                      or transformers.BertTokenizer)
+
+    torch.manual_seed(seed)
+    vocab = _wordpiece_vocab()
+    with tempfile.TemporaryDirectory(prefix="tiny-bert-hf-") as tmp:
+        hf = Path(tmp)
+        (hf / "vocab.txt").write_text("\n".join(vocab) + "\n", "utf-8")
+        tokenizer = bert_tokenizer(vocab_file=str(hf / "vocab.txt"), do_lower_case=True,
+                                   model_max_length=512)
+        config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers,
+                            num_attention_heads=max(1, hidden // 64),
+                            intermediate_size=4 * hidden, max_position_embeddings=512)
+        BertModel(config).save_pretrained(str(hf), safe_serialization=True)
+        tokenizer.save_pretrained(str(hf))
+        encoder = models.Transformer(str(hf), max_seq_length=256)
+        # renamed in sentence-transformers 6 (the old name warns there)
+        dim = (getattr(encoder, "get_embedding_dimension", None)
+               or encoder.get_word_embedding_dimension)
+        pooling = models.Pooling(dim(), pooling_mode="mean")
+        SentenceTransformer(modules=[encoder, pooling], device="cpu").save(str(folder))
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="folder for tiny-llama.gguf and tiny-bert/")
+    parser.add_argument("--only", choices=("gguf", "bert"), help="write one of the two")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, str] = {}
+    if args.only in (None, "gguf"):
+        written["gguf"] = str(write_gguf(args.out / "tiny-llama.gguf"))
+    if args.only in (None, "bert"):
+        written["bert"] = str(write_bert(args.out / "tiny-bert"))
+    json.dump(written, sys.stdout)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
