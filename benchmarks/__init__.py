@@ -38,10 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="packserve data dir for the servers it starts (assembled GGUFs)")
     parser.add_argument("--peers-dir", default=".venv-peers",
                         help="virtual environments of the peers (infinity/)")
-    parser.add_argument("--llama-engine", choices=("llama-server", "llama-cpp"),
-                        help="peers: the engine of packserve's llama.cpp models (default the "
-                        "catalog's, llama-server runners; llama-cpp: in the worker, every core, "
-                        "four slots)")
     parser.add_argument("--rounds", type=int, default=3, help="overhead, reliability: ABAB rounds")
     parser.add_argument("--duration", type=float,
                         help="trace: seconds of arrivals per policy (default 120); soak: seconds "
@@ -96,8 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",
-                                                 "validate", "profile",
-                                                 "llama_engine")
+                                                 "validate", "profile")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,

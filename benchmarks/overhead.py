@@ -1,7 +1,11 @@
 """`python -m benchmarks overhead`: packserve's HTTP API against the same models called directly.
 
-The direct side runs in its own process (`benchmarks.direct`), so both sides pay for their
-own interpreter and neither steals the other's GIL. Rounds alternate packserve and direct (ABAB)
+The direct side of MiniLM runs in its own process (`benchmarks.direct`: sentence-transformers),
+so both sides pay for their own interpreter and neither steals the other's GIL. The direct side
+of SmolLM2 is llama.cpp's own `llama-server` run on the same GGUF (`router.direct_argv`: every
+usable core, the catalog's context, its default four slots), the binary packserve's runners
+run, driven over HTTP by the same client code as packserve: streamed chats, completion tokens
+(the stream's `usage`) over the client's wall time. Rounds alternate packserve and direct (ABAB)
 in one run; the figures are medians over rounds and the goals are ratios of those medians.
 """
 
@@ -18,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks import router
 from benchmarks.common import (
     CHAT_MODEL,
     EMBED_MODEL,
@@ -131,12 +136,25 @@ def embedding_passes(c: httpx.Client, model: str = EMBED_MODEL) -> tuple[float, 
 
 
 def api_chat(c: httpx.Client, bodies: list[dict[str, Any]], concurrency: int) -> float:
+    """`bodies` as streamed chats to `c`'s /v1/chat/completions, `concurrency` at a time:
+    completion tokens/s as the client sees them (the streams' `usage` over the wall time from
+    the first request sent to the last stream's end). packserve and llama-server alike."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(body: dict[str, Any]) -> int:
-        r = c.post("/v1/chat/completions", json=body)
-        r.raise_for_status()
-        return int(r.json()["usage"]["completion_tokens"])
+        tokens: int | None = None
+        with c.stream("POST", "/v1/chat/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                usage = json.loads(line.removeprefix("data: ")).get("usage")
+                if usage:
+                    tokens = int(usage["completion_tokens"])
+        if tokens is None:
+            raise RuntimeError(f"a streamed chat from {c.base_url} ended without its usage")
+        return tokens
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -200,6 +218,9 @@ def run(opts: Options) -> Report:
     report = Report("overhead")
     profile: dict[str, dict[str, list[dict[str, Any]]]] = {}
     steps = rounds * 11 + 2
+    # SmolLM2's direct side: llama-server on the same GGUF (raises Unavailable, saying why)
+    direct_chat = router.direct_argv(router.binary(), model_path(CHAT_MODEL, opts), N_CTX,
+                                     "--alias", CHAT_MODEL)
     direct = Direct()
     try:
         with progress(opts, "overhead", steps) as advance, run_server(
@@ -211,15 +232,17 @@ def run(opts: Options) -> Report:
                     packserve_argv("--config", str(plain), "--models", CHAT_MODEL),
                     health="/readyz",
                     log=opts.out / "work" / "overhead-plain-server.log") as plain_server, \
-                plain_server.client() as plain_c:
+                plain_server.client() as plain_c, run_server(
+                    direct_chat, health="/health",
+                    log=opts.out / "work" / "overhead-llama-server.log") as direct_llama, \
+                direct_llama.client() as direct_c:
             direct.call(op="load_embed", path=str(model_path(EMBED_MODEL, opts)), max_batch=64)
-            direct.call(op="load_llama", path=str(model_path(CHAT_MODEL, opts)), n_ctx=N_CTX)
             # Warm both sides: loads, first-call allocations.
             api_embed_batches(c, batches[:1])
             api_chat(c, chat_bodies(1, 4, 0), 1)
             api_chat(plain_c, chat_bodies(1, 4, 0), 1)
             direct.call(op="embed", batches=batches[:1])
-            direct.call(op="chat", requests=chat_bodies(1, 4, 0), concurrency=1)
+            api_chat(direct_c, chat_bodies(1, 4, 0), 1)
             advance(2, "warm")
             for r in range(rounds):
                 cpu0 = CpuSnapshot.take(server.pid)
@@ -259,14 +282,12 @@ def run(opts: Options) -> Report:
                 advance(1, f"round {r + 1}: chat x1 api")
                 series["api_chat1_plain"].append(api_chat(plain_c, bodies1, 1))
                 advance(1, f"round {r + 1}: chat x1 api, no parallel slots")
-                d = direct.call(op="chat", requests=bodies1, concurrency=1)
-                series["direct_chat1"].append(d["tokens"] / d["seconds"])
+                series["direct_chat1"].append(api_chat(direct_c, bodies1, 1))
                 advance(1, f"round {r + 1}: chat x1 direct")
                 bodies4 = chat_bodies(n_chat4, max_tokens, 1000 * r + 500)
                 series["api_chat4"].append(api_chat(c, bodies4, 4))
                 advance(1, f"round {r + 1}: chat x4 api")
-                d = direct.call(op="chat", requests=bodies4, concurrency=4)
-                series["direct_chat4"].append(d["tokens"] / d["seconds"])
+                series["direct_chat4"].append(api_chat(direct_c, bodies4, 4))
                 advance(1, f"round {r + 1}: chat x4 direct")
             if opts.extra.get("profile"):
                 profile = profile_api(c, server.url, server.pid, opts.out / "work" / "profile",
@@ -281,7 +302,10 @@ def run(opts: Options) -> Report:
         "sizes": {"batch32_batches": n_batches, "single_requests": n_singles, "clients": 16,
                   "chat_requests_x1": n_chat, "chat_requests_x4": n_chat4,
                   "max_tokens": max_tokens},
-        "units": "embeddings: sentences/s; chat: completion tokens/s",
+        "units": "embeddings: sentences/s; chat: completion tokens/s, streamed, as the "
+                 "client sees them",
+        "direct": {"embed": "sentence-transformers in its own process (benchmarks.direct)",
+                   "chat": " ".join(direct_chat)},
         "per_round": series, "median": med,
         "single16_inputs_per_pass": passes,
         # Where the CPU went, per request (medians over rounds): the benchmark's client (on the
@@ -306,7 +330,7 @@ def run(opts: Options) -> Report:
             "chat_1_stream_parallel_slots": ratio(med["api_chat1"], med["direct_chat1"]),
             "chat_4_streams": ratio(med["api_chat4"], med["direct_chat4"]),
             # Parallel decode: four concurrent chats against one stream, both through packserve
-            # in the same round (llama-cpp-python alone serves them one after another).
+            # in the same round, and the same for llama-server run directly (its four slots).
             "chat_4_streams_vs_1_stream": ratio(med["api_chat4"], med["api_chat1"]),
             "direct_chat_4_streams_vs_1_stream": ratio(med["direct_chat4"],
                                                        med["direct_chat1"]),

@@ -2,16 +2,18 @@
 all running at the same time, every model loaded by one request:
 
 - one packserve server per catalog entry (`packserve serve --models NAME`);
-- one bare engine process per distinct weights file, no HTTP server at all: sentence-transformers
-  for MiniLM (the embedder and the reranker share it), llama-cpp-python for each GGUF (SmolLM2's
-  two entries share one), loaded as packserve loads them (`use_mmap=True`, the catalog's
-  context), after one inference each.
+- one bare engine process per distinct weights file, no packserve: sentence-transformers for
+  MiniLM (the embedder and the reranker share it; no HTTP server at all), and for each GGUF
+  (SmolLM2's two entries share one) llama.cpp's own `llama-server` run directly on it, the
+  binary packserve's runners run (`router.direct_argv`: the catalog's context, every core, its
+  default slots), each after one inference, so that its weights are paged in.
 
 Memory is PSS (the sum of `Pss` in /proc/PID/smaps_rollup) of each setup's processes, the
 server's worker and any other child included. Everything compared runs at once, so a page that
-several processes share (libpython, torch's and llama.cpp's libraries) is split between all of
-them the same way; a sum of RSS would count it once per process. On a GPU the same comparison
-would read device memory; this machine has none, so it is skipped.
+several processes share (libpython, torch's libraries, the one llama-server binary that
+packserve's runners run too) is split between all of them the same way; a sum of RSS would
+count it once per process. On a GPU the same comparison would read device memory; this machine
+has none, so it is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks import router
 from benchmarks.common import (
     CATALOG,
     EMBED_MODEL,
@@ -43,17 +46,10 @@ from benchmarks.common import (
 from benchmarks.overhead import N_CTX  # the catalog's context, for bare GGUF loads too
 from benchmarks.reliability import descendants, process_memory
 
-BARE_ENGINE = """
-import os, sys
-path = sys.argv[1]
-if path.endswith(".gguf"):
-    import llama_cpp
-    llm = llama_cpp.Llama(model_path=path, n_ctx=int(sys.argv[2]), use_mmap=True,
-                          n_threads=max(1, (os.cpu_count() or 2) // 2), verbose=False)
-    llm.create_completion("Hello", max_tokens=4)
-else:
-    from sentence_transformers import SentenceTransformer
-    SentenceTransformer(path, device="cpu").encode(["a sentence to embed"])
+BARE_TORCH = """
+import sys
+from sentence_transformers import SentenceTransformer
+SentenceTransformer(sys.argv[1], device="cpu").encode(["a sentence to embed"])
 print("ready", flush=True)
 sys.stdin.read()  # until the bench closes it
 """
@@ -76,8 +72,12 @@ def _pss(pid: int) -> int:
 @contextlib.contextmanager
 def _bare(path: Path, log: Path) -> Iterator[int]:
     """A bare engine process holding `path`, loaded and warmed; yields its pid."""
+    if path.suffix == ".gguf":
+        with _bare_llama_server(path, log) as pid:
+            yield pid
+        return
     with log.open("ab") as sink:
-        proc = subprocess.Popen([sys.executable, "-c", BARE_ENGINE, str(path), str(N_CTX)],
+        proc = subprocess.Popen([sys.executable, "-c", BARE_TORCH, str(path)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink)
     try:
         assert proc.stdout is not None
@@ -95,6 +95,16 @@ def _bare(path: Path, log: Path) -> Iterator[int]:
             proc.wait(timeout=30)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@contextlib.contextmanager
+def _bare_llama_server(path: Path, log: Path) -> Iterator[int]:
+    """llama-server run directly on the GGUF `path` (raises router.Unavailable without one),
+    having answered one completion; yields its pid."""
+    with run_server(router.direct_argv(router.binary(), path, N_CTX), health="/health",
+                    log=log) as server, server.client() as c:
+        c.post("/completion", json={"prompt": "Hello", "n_predict": 4}).raise_for_status()
+        yield server.pid
 
 
 def _server(stack: contextlib.ExitStack, opts: Options, models: tuple[str, ...],

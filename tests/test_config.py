@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import packserve.config as config_module
 from packserve.config import Config, ModelSpec, load_config
 from packserve.errors import ConfigError
 from packserve.units import parse_bytes
@@ -87,7 +88,7 @@ BAD_CONFIGS = [
         "models[1].max_queue", ("max_queue", 1), "greater than or equal to 0",
         id="negative-max-queue"),
     pytest.param(
-        fake_model("chatty", tasks='["embed"]', backend="llama-cpp", source="x.gguf"),
+        fake_model("chatty", tasks='["embed"]', backend="llama-server", source="x.gguf"),
         "models[0]", ("[[models]]", 1), "cannot do embed",
         id="task-backend-cannot-do"),
     pytest.param(
@@ -218,7 +219,7 @@ def spec(backend: str, tasks: list[str], **extra: object) -> ModelSpec:
 
 
 @pytest.mark.parametrize(("backend", "tasks", "expected"), [
-    ("llama-cpp", ["chat"], 1),  # its parallel slots: one unless the entry asks
+    ("llama-server", ["chat"], 4),  # its parallel slots: four unless the entry asks
     ("sentence-transformers", ["embed"], 32),
     ("cross-encoder", ["rerank"], 32),
 ])
@@ -227,9 +228,20 @@ def test_concurrency_defaults_per_backend(backend: str, tasks: list[str], expect
 
 
 def test_concurrency_explicit_wins() -> None:
-    assert spec("llama-cpp", ["chat"], max_concurrency=3).concurrency == 3
-    assert spec("llama-cpp", ["chat"], parallel=2).concurrency == 2
-    assert spec("llama-cpp", ["chat"], parallel=2, max_concurrency=8).concurrency == 8
+    assert spec("llama-server", ["chat"], max_concurrency=3).concurrency == 3
+    assert spec("llama-server", ["chat"], parallel=8).concurrency == 8
+    assert spec("llama-server", ["chat"], parallel=8, max_concurrency=2).concurrency == 2
+
+
+def test_the_removed_in_process_engine_is_read_as_the_runner(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`backend = "llama-cpp"` (the in-process engine, removed) keeps a config working: it is
+    the llama-server engine, on the same GGUF file, and the log says so."""
+    config_module._say_alias.cache_clear()  # said once per process
+    with caplog.at_level("WARNING", logger="packserve.config"):
+        got = spec("llama-cpp", ["chat", "complete"])
+    assert got.backend == "llama-server" and got.concurrency == 4
+    assert any("'llama-cpp' is read as 'llama-server'" in r.getMessage() for r in caplog.records)
 
 
 def test_parallel_is_refused_for_engines_that_decode_no_sequences() -> None:

@@ -3,9 +3,9 @@
 A llama.cpp compiled with GGML_NATIVE on a Xeon with AMX kills the server with SIGILL on the
 first multi-token chat (the AMX kernels run on OpenMP threads that never asked the kernel for
 the tile permission), and one compiled on an AVX-512 machine dies the same way on a machine
-without AVX-512. scripts/setup.sh builds for the AVX2/FMA/F16C/BMI2 baseline; these tests read
-the machine code of every native library in the installed `llama_cpp` package (with objdump,
-without importing llama_cpp) and fail on any AMX or AVX-512 instruction, naming the library,
+without AVX-512. scripts/setup.sh builds `llama-server`, the runner of every GGUF model, for the
+AVX2/FMA/F16C/BMI2 baseline with llama.cpp linked in; these tests read the machine code of that
+binary (.venv/bin/llama-server, with objdump) and fail on any AMX or AVX-512 instruction, naming
 the function and the first instructions found. The matcher is tested on its own, on sample
 text and on the real output of `as` + `objdump`, so that a passing scan means something.
 """
@@ -13,7 +13,6 @@ text and on the real output of `as` + `objdump`, so that a passing scan means so
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -130,42 +129,23 @@ def objdump(path: Path, library: str) -> Scan:
     return scan_disassembly(library, proc.stdout)
 
 
-def llama_libraries() -> list[Path]:
-    """Every native library of the installed llama_cpp package, one path per distinct file
-    (the wheel ships libfoo.so, libfoo.so.0 and libfoo.so.0.x.y as copies), and the
-    llama-server runner binary."""
-    spec = importlib.util.find_spec("llama_cpp")  # finds it without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("llama_cpp is not installed in this environment: run scripts/setup.sh")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    seen: dict[str, Path] = {}
-    for path in sorted(folder.rglob("lib*.so*"), key=lambda p: (len(p.name), p.name)):
-        if path.is_file():
-            digest = hashlib.sha256(path.resolve().read_bytes()).hexdigest()
-            seen.setdefault(digest, path)
-    libs = sorted(seen.values())
-    # and the runner of every GGUF model (llama.cpp linked in statically), built by setup.sh
-    runner = Path(sys.prefix) / "bin" / "llama-server"
-    if not runner.is_file():
-        pytest.fail(f"{runner} is missing: run scripts/setup.sh")
-    libs.append(runner)
-    if not any(p.name.startswith("libggml-cpu") or p.name.startswith("libggml.")
-               for p in libs) or not any(p.name.startswith("libllama") for p in libs):
-        pytest.fail(f"no llama.cpp libraries (libggml*, libllama*) under {folder}: found "
-                    f"{[p.name for p in libs]}: run scripts/setup.sh")
-    return libs
+def runner() -> Path:
+    """The llama-server binary of this environment, built by scripts/setup.sh."""
+    path = Path(sys.prefix) / "bin" / "llama-server"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run scripts/setup.sh")
+    return path
 
 
 @pytest.fixture(scope="module")
-def scans() -> list[Scan]:
-    """One objdump of each installed llama.cpp library per test run (a few seconds)."""
+def scan() -> Scan:
+    """One objdump of the runner per test run (a few seconds)."""
     if shutil.which("objdump") is None:
         pytest.fail("objdump is not on PATH: install binutils (apt-get install binutils) "
                     "to check the llama.cpp build")
-    results = [objdump(p, p.name) for p in llama_libraries()]
-    for scan in results:
-        assert scan.instructions > 0, f"objdump printed no instructions for {scan.library}"
-    return results
+    result = objdump(runner(), "llama-server")
+    assert result.instructions > 0, "objdump printed no instructions for llama-server"
+    return result
 
 
 def offenders(scans: list[Scan], kind: str) -> str:
@@ -175,61 +155,63 @@ def offenders(scans: list[Scan], kind: str) -> str:
         + "\n    ".join(s.found[kind]) for s in scans if s.counts[kind])
 
 
-def test_no_llama_library_contains_amx_tile_instructions(scans: list[Scan]) -> None:
-    bad = offenders(scans, "amx")
-    assert not bad, ("llama.cpp was built with AMX kernels (SIGILL on OpenMP threads on AMX "
+def test_the_runner_contains_no_amx_tile_instructions(scan: Scan) -> None:
+    bad = offenders([scan], "amx")
+    assert not bad, ("llama-server was built with AMX kernels (SIGILL on OpenMP threads on AMX "
                      "Xeons, issue 8): rebuild it with scripts/setup.sh\n" + bad)
 
 
-def test_no_llama_library_contains_avx512_instructions(scans: list[Scan]) -> None:
-    bad = offenders(scans, "avx512")
-    assert not bad, ("llama.cpp was built with AVX-512 (SIGILL on machines without it): "
+def test_the_runner_contains_no_avx512_instructions(scan: Scan) -> None:
+    bad = offenders([scan], "avx512")
+    assert not bad, ("llama-server was built with AVX-512 (SIGILL on machines without it): "
                      "rebuild it with scripts/setup.sh\n" + bad)
 
 
-def test_the_cpu_library_uses_the_avx2_baseline(scans: list[Scan]) -> None:
+def test_the_runner_uses_the_avx2_baseline(scan: Scan) -> None:
     # The scan really read machine code, and the build is not a slow pre-AVX2 one.
-    cpu = [s for s in scans if s.library.startswith(("libggml-cpu", "libggml."))]
-    assert sum(s.ymm for s in cpu) > 1000, [(s.library, s.ymm) for s in cpu]
+    assert scan.ymm > 1000, scan.ymm
 
 
-def test_one_cpu_backend_so_every_cpu_makes_the_same_choices() -> None:
-    """With one CPU library (no GGML_BACKEND_DL variants picked by cpuid at run time), ggml
-    chooses its kernels and which weights it repacks at compile time (`ggml_cpu_has_avx2` and
-    the like are `#if`s): the same wheel holds the same memory on an AMD EPYC and on an Intel
-    Xeon, which is what keeps the footprint estimate true on both (issue 13)."""
-    cpu = [p.name for p in llama_libraries() if p.name.startswith("libggml-cpu")]
-    assert len(cpu) == 1, f"expected one CPU backend library, found {cpu}"
+def test_one_cpu_backend_linked_in_so_every_cpu_makes_the_same_choices() -> None:
+    """llama.cpp is linked into the runner (no libggml or libllama beside it, so no
+    GGML_BACKEND_DL variants picked by cpuid at run time): ggml chooses its kernels and which
+    weights it repacks at compile time (`ggml_cpu_has_avx2` and the like are `#if`s), and the
+    same binary holds the same memory on an AMD EPYC and on an Intel Xeon, which is what keeps
+    the footprint estimate true on both (issue 13)."""
+    linked = subprocess.run(["ldd", str(runner())], capture_output=True, text=True,
+                            check=True).stdout
+    assert "libc.so" in linked, linked  # ldd read it
+    assert not any(name in linked for name in ("libggml", "libllama")), linked
 
 
 def test_the_build_carries_packserves_patches() -> None:
-    """The installed wheel was built with every patch in scripts/patches/ as it is now
-    (setup.sh records their checksums with the wheel and beside the install)."""
+    """The installed runner was built with every patch in scripts/patches/ as it is now
+    (setup.sh records their checksums with the build and beside the install)."""
     root = Path(__file__).resolve().parents[1]
-    recorded = root / ".venv" / ".llama-cpp-patches"
+    recorded = root / ".venv" / ".llama-server-patches"
     assert recorded.is_file(), f"{recorded} is missing: run scripts/setup.sh"
     built = {name: digest for digest, name in
              (line.split() for line in recorded.read_text().splitlines())}
     now = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-           for p in sorted((root / "scripts" / "patches").glob("llama-cpp-python-*.patch"))}
+           for p in sorted((root / "scripts" / "patches").glob("*.patch"))}
     assert now and built == now, (
-        f"llama-cpp-python was built with patches {built}, scripts/patches/ has {now}: "
+        f"llama-server was built with patches {built}, scripts/patches/ has {now}: "
         f"run scripts/setup.sh")
 
 
-def test_the_metadata_patch_is_in_the_library() -> None:
-    """scripts/patches/llama-cpp-python-metadata-dump.patch, read from the library itself: the
+def test_the_metadata_patch_is_in_the_runner() -> None:
+    """scripts/patches/llama-cpp-python-metadata-dump.patch, read from the binary itself: the
     loader's metadata log stops formatting a tokenizer array at its 40 shown characters. The
-    patched function takes a third argument, so its mangled name ends in `im` (int, size_t)
-    instead of `i`. (The special-token patch changes no symbol.)"""
+    patched function takes a third argument, the limit (a size_t). (The special-token patch
+    changes no symbol.)"""
     if shutil.which("nm") is None:
         pytest.fail("nm is not on PATH: install binutils (apt-get install binutils)")
-    libllama = next(p for p in llama_libraries() if p.name.startswith("libllama"))
-    symbols = subprocess.run(["nm", "-D", "--defined-only", str(libllama)], capture_output=True,
-                             text=True, check=True).stdout
-    names = [line.split()[-1] for line in symbols.splitlines() if "gguf_kv_to_str" in line]
-    assert names and all(n.endswith("PK12gguf_contextim") for n in names), (
-        f"{libllama.name} was built without scripts/patches/ (gguf_kv_to_str: {names}): "
+    symbols = subprocess.run(["nm", "--defined-only", "--demangle", str(runner())],
+                             capture_output=True, text=True, check=True).stdout
+    names = [line.split(" ", 2)[-1] for line in symbols.splitlines()
+             if "gguf_kv_to_str" in line]
+    assert names and all("(gguf_context const*, int, unsigned long)" in n for n in names), (
+        f"llama-server was built without scripts/patches/ (gguf_kv_to_str: {names}): "
         f"rebuild it with scripts/setup.sh")
 
 

@@ -31,7 +31,7 @@ def test_gguf_header_facts_of_smollm2(tmp_path: Path) -> None:
     assert facts.weight_bytes < facts.file_bytes  # Q4_1: about 4.5 bits per weight
     # KV cache at 2048 tokens, f16: 2 x 30 layers x 3 heads x 64 dims x 2048 x 2 bytes = 45 MiB
     assert kv_cache_bytes(facts, 2048) == 45 * MIB
-    engine = backends.get("llama-cpp")
+    engine = backends.get("llama-server")
     fp = engine.size(facts, engine.load_spec(facts.path, "cpu", 2048, 1, {}), "smollm2", 1)
     assert fp.total == fp.weights + fp.kv_cache + fp.overhead and fp.kv_cache == 45 * MIB
 

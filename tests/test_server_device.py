@@ -1,6 +1,6 @@
 """`device = "auto"` resolves per engine (server.resolve_device): a model goes to the GPU only where
 NVIDIA's driver is there and its engine's build can run there (`Engine.cuda`). Each engine's
-answer is read from its library or binary: fakes stand in for torch, llama_cpp and llama-server."""
+answer is read from its library or binary: fakes stand in for torch and llama-server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from packserve import backends
-from packserve.backends import llama, llama_server, sentence_tf
+from packserve.backends import llama_server, sentence_tf
 from packserve.config import ModelSpec
 from packserve.core.backend import LoadSpec
 from packserve.core.engine import Engine
@@ -48,7 +48,7 @@ def test_auto_resolves_per_engine(requested: str, driver: bool, why: str | None,
 
 
 def test_one_config_splits_torch_and_llama_models_by_what_their_builds_can_do() -> None:
-    torch_engine, llama_engine = engine(None), engine("llama-cpp-python was built without GPU")
+    torch_engine, llama_engine = engine(None), engine("llama-server lists no CUDA device")
     assert [resolve_device("auto", e, driver=lambda: True)
             for e in (torch_engine, llama_engine)] == ["cuda:0", "cpu"]
     assert as_written("auto", llama_engine) == "auto"
@@ -60,10 +60,10 @@ def test_the_fake_engine_runs_on_the_cpu_only() -> None:
 
 @pytest.fixture
 def fresh_checks() -> Iterator[None]:
-    for check in (sentence_tf._torch_cuda, llama._gpu_offload, llama_server.list_devices):
+    for check in (sentence_tf._torch_cuda, llama_server.list_devices):
         check.cache_clear()
     yield
-    for check in (sentence_tf._torch_cuda, llama._gpu_offload, llama_server.list_devices):
+    for check in (sentence_tf._torch_cuda, llama_server.list_devices):
         check.cache_clear()
 
 
@@ -83,18 +83,6 @@ def test_torch_engines_ask_torch(monkeypatch: pytest.MonkeyPatch, fresh_checks: 
     for name in ("sentence-transformers", "cross-encoder"):
         sentence_tf._torch_cuda.cache_clear()
         assert backends.get(name).cuda() == why
-
-
-@pytest.mark.parametrize(("offload", "why"), [
-    (True, None),
-    (False, "llama-cpp-python was built without GPU support (scripts/setup.sh on this machine)"),
-])
-def test_the_in_process_llama_engine_asks_its_wheel(monkeypatch: pytest.MonkeyPatch,
-                                                    fresh_checks: None, offload: bool,
-                                                    why: str | None) -> None:
-    fake = types.SimpleNamespace(llama_supports_gpu_offload=lambda: offload)
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    assert backends.get("llama-cpp").cuda() == why
 
 
 def fake_server(tmp_path: Path, listing: str) -> Path:
@@ -146,7 +134,7 @@ def test_the_runner_is_told_where_its_layers_go(device: str, args: list[str]) ->
     (llama_server.ENGINE, "cpu", None, False),
     (llama_server.ENGINE, "cpu", True, True),  # the planner plans cards
     (sentence_tf.SENTENCE_TRANSFORMERS, "cuda:0", None, False),  # in the worker: the base
-    (llama.ENGINE, "cuda:0", True, False),
+    (sentence_tf.CROSS_ENCODER, "cuda:0", True, False),
 ])
 def test_a_runners_estimate_on_a_card_holds_its_own_cuda_context(
         engine: Engine, device: str, gpu: bool | None, context: bool) -> None:

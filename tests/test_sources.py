@@ -22,7 +22,7 @@ def _outside(tmp_path: Path) -> Path:
     return model
 
 
-def _entry(source: str, backend: str = "llama-cpp", tasks: str = '["chat"]') -> str:
+def _entry(source: str, backend: str = "llama-server", tasks: str = '["chat"]') -> str:
     return f'[[models]]\nname = "m"\ntasks = {tasks}\nbackend = "{backend}"\nsource = "{source}"\n'
 
 

@@ -8,7 +8,9 @@ key, the line where it is, and the reason.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
+import logging
 import math
 import os
 import re
@@ -47,6 +49,17 @@ Duration = Annotated[float, BeforeValidator(parse_duration),
 Budget = Annotated[int | Literal["auto"], BeforeValidator(_parse_budget)]
 
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _say_alias(name: str, engine: str) -> None:
+    """Once per process: an entry named an engine by an old name."""
+    log.warning("backend = %r is read as %r: packserve's in-process llama.cpp engine was "
+                "removed, and its runner serves the same GGUF files through the same API "
+                "(docs/engines.md)", name, engine)
+
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 # `memory_budget = "auto"` takes this fraction of what the device has (documented in README).
@@ -107,9 +120,10 @@ class ServerConfig(_Strict):
     # Listen on a non-local address without keys: anyone who reaches the port can call every
     # model and every admin route. Off unless the operator says so.
     open_to_anyone: bool = False
-    # Latency targets per model type; with `compute_priority`, requests compete for compute by
-    # deadline (arrival + SLO) and generation yields between tokens to tighter work. Off by
-    # default: on 2 cores with one-thread decodes the OS's sharing did as well (docs/scheduling.md).
+    # Latency targets per model type; with `compute_priority`, the requests to engines that run
+    # in the worker (the torch engines) compete for its cores by deadline (arrival + SLO). Off
+    # by default: on 2 cores the OS's sharing did as well (docs/scheduling.md). The llama.cpp
+    # runners take turns by the same deadlines under `runner_turns`.
     slo: SloConfig = SloConfig()
     compute_priority: bool = False
     # llama-server runners on the CPU compute one at a time when several are busy, the
@@ -228,6 +242,9 @@ class ModelSpec(_Strict):
     def _backend_known(cls, v: str) -> str:
         from packserve import backends
 
+        if v in backends.ALIASES:
+            _say_alias(v, backends.ALIASES[v])
+            v = backends.ALIASES[v]
         backends.get(v)  # raises ValueError naming the engines there are
         return v
 

@@ -1,11 +1,12 @@
-"""Compute goes to the tightest deadline, through the real server and real models: a long
-completion on Gemma (in the worker: `llama-cpp`) hands its turn to embeddings between tokens
-(core.compute)."""
+"""Compute goes to the tightest deadline, through the real server and the default catalog's
+runners: while a long completion streams from Gemma's runner (4 s SLO), embeddings (0.5 s) take
+the cores, and Gemma's runner is stopped for them (`[server] runner_turns`, on by default:
+backends.llama_server.Turns), then goes on generating."""
 
 from __future__ import annotations
 
 import json
-import re
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,41 +15,51 @@ import pytest
 
 from tests.factories import Running, default_config, serve
 
+pytestmark = pytest.mark.real
+
 EMBEDDER, COMPLETE = "all-minilm-l6-v2", "gemma-3-270m"
 
 
 @pytest.fixture(scope="module")
-def prioritised(models_dir: Path) -> Iterator[Running]:
-    config = default_config(models_dir)
-    # Per-token turns are the in-process engine's: a llama-server runner decodes on its own.
-    config = config.model_copy(update={
-        "server": config.server.model_copy(update={"compute_priority": True}),
-        "models": [m.model_copy(update={"backend": "llama-cpp"}) if m.backend == "llama-server"
-                   else m for m in config.models]})
-    with serve(config) as running:
+def server(models_dir: Path) -> Iterator[Running]:
+    with serve(default_config(models_dir, only_models=[EMBEDDER, COMPLETE])) as running:
         yield running
 
 
-def _waited(metrics: str, model: str, task: str) -> float:
-    m = re.search(rf'^packserve_compute_wait_seconds_total\{{model="{model}",task="{task}"\}} '
-                  r"(\S+)$", metrics, re.M)
-    return float(m.group(1)) if m else 0.0
+def _runner_of(model_file: str) -> int:
+    """The pid of this process's llama-server child serving `model_file`."""
+    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = next(int(line.split()[1]) for line in status.splitlines()
+                    if line.startswith("PPid:"))
+        if ppid == os.getpid() and "llama-server" in command and model_file in command:
+            return pid
+    raise AssertionError(f"no llama-server runner of {model_file}")
 
 
-def test_embeddings_cut_in_between_the_tokens_of_a_long_completion(
-        prioritised: Running) -> None:
-    with prioritised.client() as c:
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_embeddings_stop_a_long_completion_for_their_turn(server: Running) -> None:
+    with server.client() as c:
         for model, body in ((EMBEDDER, {"input": "warm"}), (COMPLETE, {"prompt": "1,",
                                                                         "max_tokens": 1})):
             path = "/v1/embeddings" if model == EMBEDDER else "/v1/completions"
             assert c.post(path, json={"model": model, **body}).status_code == 200
-        before = _waited(c.get("/metrics").text, COMPLETE, "complete")
+    gemma = _runner_of("gemma")
 
-    first_piece = threading.Event()
+    first_piece, done = threading.Event(), threading.Event()
     pieces: list[str] = []
+    seen_stopped: list[bool] = []
 
     def stream() -> None:
-        with prioritised.client() as c, c.stream(
+        with server.client() as c, c.stream(
                 "POST", "/v1/completions",
                 json={"model": COMPLETE, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 160,
                       "temperature": 0, "stream": True}) as r:
@@ -58,18 +69,22 @@ def test_embeddings_cut_in_between_the_tokens_of_a_long_completion(
                     pieces.append(json.loads(line[6:])["choices"][0]["text"])
                     first_piece.set()
 
+    def watch() -> None:  # the kernel's word on Gemma's runner while the embeddings run
+        while not done.is_set():
+            seen_stopped.append(_stopped(gemma))
+
     streamer = threading.Thread(target=stream)
     streamer.start()
     assert first_piece.wait(60)
-    with prioritised.client() as c:
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with server.client() as c:
         codes = [c.post("/v1/embeddings", json={"model": EMBEDDER,
                                                 "input": [f"sentence {i}"] * 8}).status_code
                  for i in range(4)]
+    done.set()
+    watcher.join()
     streamer.join(120)
     assert codes == [200] * 4
+    assert any(seen_stopped), f"Gemma's runner was never stopped in {len(seen_stopped)} looks"
     assert len(pieces) > 20  # it went on generating after the embeddings
-    with prioritised.client() as c:
-        after = _waited(c.get("/metrics").text, COMPLETE, "complete")
-    # The completion held the turn when the first embedding arrived: it handed it over at its
-    # next token and waited for it back, which only an earlier deadline can cause.
-    assert after > before

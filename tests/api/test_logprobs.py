@@ -1,11 +1,11 @@
 """Logprobs through the real HTTP app, the real llama.cpp models and the openai SDK: chat's
-`logprobs`/`top_logprobs`, completions' integer `logprobs` and `echo`, whole and streamed."""
+`logprobs`/`top_logprobs` and completions' integer `logprobs`, whole and streamed; `echo`
+refused."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLog
 
 from packserve.api.generation import TextCompletion
 from packserve.core.backend import Generated, TokenLogprob
-from tests.factories import Running, default_config, serve
+from tests.factories import Running
 
 pytestmark = pytest.mark.real
 
@@ -83,59 +83,19 @@ def test_completion_logprobs_in_the_legacy_shape(sdk: openai.OpenAI) -> None:
         assert logprob == pytest.approx(max(top.values()))
 
 
-@pytest.fixture(scope="module")
-def in_process(models_dir: Path) -> Iterator[openai.OpenAI]:
-    """Gemma in the worker (`backend = "llama-cpp"`): only that engine scores a prompt's
-    tokens (echo); the default catalog runs it in a llama-server runner, which cannot."""
-    config = default_config(models_dir)
-    config.models[:] = [m.model_copy(update={"backend": "llama-cpp"}) for m in config.models
-                        if m.name == COMPLETE]
-    with serve(config) as running, openai.OpenAI(base_url=f"{running.url}/v1",
-                                                 api_key="unused", timeout=120) as client:
-        yield client
-
-
-def test_echo_on_a_runner_is_refused_naming_the_engine(sdk: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="llama-server runner") as caught:
-        sdk.completions.create(model=COMPLETE, prompt="Hi", max_tokens=0, echo=True,
-                               logprobs=0)
-    assert caught.value.body["param"] == "echo"  # type: ignore[index]
-
-
-def _score(sdk: openai.OpenAI, text: str) -> tuple[list[str], list[float]]:
-    out = sdk.completions.create(model=COMPLETE, prompt=text, max_tokens=0, echo=True,
-                                 logprobs=0)
-    assert out.choices[0].text == text
-    assert out.usage is not None and out.usage.completion_tokens == 0
-    lp = out.choices[0].logprobs
-    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
-    return lp.tokens, list(lp.token_logprobs)
-
-
-def test_echo_scores_a_prompt_and_a_sentence_beats_its_words_shuffled(
-        in_process: openai.OpenAI) -> None:
-    sdk = in_process
-    sentence = "The capital of France is Paris, and it is a large city."
-    tokens, logprobs = _score(sdk, sentence)
-    assert "".join(tokens) == sentence
-    assert all(lp <= 0 for lp in logprobs)  # Gemma reads a BOS first: no None
-    shuffled = "city large a is it and Paris, is France of capital The."
-    _, other = _score(sdk, shuffled)
-    assert sum(logprobs) > sum(other) + 10
-
-
-def test_echo_with_generation_returns_the_prompt_then_the_completion(
-        in_process: openai.OpenAI) -> None:
-    sdk = in_process
-    prompt = "Once upon a time"
-    out = sdk.completions.create(model=COMPLETE, prompt=prompt, max_tokens=3, temperature=0,
-                                 echo=True, logprobs=1)
-    choice = out.choices[0]
-    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
-    lp = choice.logprobs
-    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
-    assert "".join(lp.tokens) == choice.text
-    assert lp.text_offset[0] == 0
+@pytest.mark.parametrize("extra", [{"max_tokens": 0, "logprobs": 0}, {"max_tokens": 3},
+                                   {"logprobs": 1, "stream": True}])
+def test_echo_is_refused_saying_why_and_where_to_score_prompts(
+        sdk: openai.OpenAI, extra: dict[str, object]) -> None:
+    with pytest.raises(openai.BadRequestError, match="echo") as caught:
+        sdk.completions.create(model=COMPLETE, prompt="Hi", echo=True,  # type: ignore[call-overload]
+                               **extra)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["param"] == "echo"
+    assert "without scoring the prompt" in body["message"] and "vLLM" in body["message"]
+    # echo false is OpenAI's default, and taken
+    out = sdk.completions.create(model=COMPLETE, prompt="Hi", echo=False, max_tokens=2)
+    assert out.choices[0].text
 
 
 @pytest.mark.parametrize(("route", "extra", "param"), [
@@ -143,7 +103,6 @@ def test_echo_with_generation_returns_the_prompt_then_the_completion(
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
-    ("/v1/completions", {"echo": True, "stream": True}, "echo"),
 ])
 def test_bad_logprobs_requests_are_400s(default_server: Running, route: str,
                                         extra: dict[str, object], param: str | None) -> None:
@@ -160,16 +119,16 @@ def test_bad_logprobs_requests_are_400s(default_server: Running, route: str,
 
 def test_text_offsets_count_characters_when_a_token_splits_one() -> None:
     # "é" is two bytes; a byte-level tokenizer may give each its own token.
-    tokens = (TokenLogprob("a", b"a", None), TokenLogprob("\ufffd", b"\xc3", -1.0),
-              TokenLogprob("\ufffd", b"\xa9", -1.0), TokenLogprob(" b", b" b", -1.0))
-    reply = TextCompletion("m", ["a\u00e9 b"], logprobs=True, echo=True)
-    out = Generated(text="", finish_reason="length", prompt_tokens=4, completion_tokens=0,
-                    logprobs=(), prompt_logprobs=tokens)
+    tokens = (TokenLogprob("\ufffd", b"\xc3", -1.0), TokenLogprob("\ufffd", b"\xa9", -1.0),
+              TokenLogprob(" b", b" b", -1.0))
+    reply = TextCompletion("m", ["a"], logprobs=True)
+    out = Generated(text="\u00e9 b", finish_reason="length", prompt_tokens=1,
+                    completion_tokens=3, logprobs=tokens)
     choice = reply.choice(0, out)
-    assert choice["text"] == "a\u00e9 b"
-    assert choice["logprobs"]["text_offset"] == [0, 1, 1, 2]
-    # Streamed (without echo), the offsets go on from the prompt's end across chunks.
+    assert choice["text"] == "\u00e9 b"
+    assert choice["logprobs"]["text_offset"] == [1, 1, 2]  # from the prompt's end
+    # Streamed, the offsets go on from the prompt's end across chunks.
     stream = TextCompletion("m", ["x"], logprobs=True)
-    first = stream.delta("\u00e9", None, tokens[1:3])["logprobs"]["text_offset"]
-    second = stream.delta(" b", None, tokens[3:])["logprobs"]["text_offset"]
+    first = stream.delta("\u00e9", None, tokens[:2])["logprobs"]["text_offset"]
+    second = stream.delta(" b", None, tokens[2:])["logprobs"]["text_offset"]
     assert (first, second) == ([1, 1], [2])

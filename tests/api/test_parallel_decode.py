@@ -1,5 +1,5 @@
 """Four chats to one llama.cpp load at once, through the real HTTP app: decoded together in its
-parallel slots (backends.llama_batch), each with its own stop strings, grammar and usage; a
+runner's parallel slots, each with its own stop strings, grammar and usage; a
 client that leaves mid-stream gives its slot back."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ CHAT, EXTRACT = "smollm2-135m-instruct", "smollm2-extract"  # one load, two cata
 @pytest.fixture(scope="module")
 def server(models_dir: Path) -> Iterator[Running]:
     config = default_config(models_dir, only_models=[CHAT, EXTRACT])
-    config = config.model_copy(update={"models": [  # parallel slots are opt-in per model
+    config = config.model_copy(update={"models": [  # four slots, whatever the default
         m.model_copy(update={"parallel": 4}) for m in config.models]})
     with serve(config) as running:
         yield running

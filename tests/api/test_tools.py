@@ -11,7 +11,6 @@ import pytest
 
 from packserve.api.schemas import ChatRequest
 from packserve.api.tools import envelope, resolved, tool_use, turns
-from packserve.backends.llama import schema_grammar, template_renders_tools
 from packserve.core.backend import Generated, Tool
 from packserve.core.request import Choice, Named, ToolUse
 from packserve.errors import InvalidRequest, ModelOutputInvalid
@@ -55,7 +54,6 @@ def test_two_tools_with_the_same_def_names_keep_their_own_schemas() -> None:
                         schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"tool_call": {"name": "b", "arguments": {"y": 3}}}, schema)
-    schema_grammar(schema)  # llama.cpp's converter takes it
 
 
 def test_a_call_becomes_tool_calls_and_its_arguments_are_checked() -> None:
@@ -144,15 +142,6 @@ def test_tool_messages_are_checked() -> None:
                     "id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}):
         with pytest.raises(ValueError):
             ChatRequest.model_validate({"model": "m", "messages": [bad]})
-
-
-def test_the_template_probe_sees_whether_tools_are_shown() -> None:
-    smollm2 = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
-               "message['content'] + '<|im_end|>\\n'}}{% endfor %}")
-    assert not template_renders_tools(smollm2)
-    assert template_renders_tools("{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}"
-                                  "{% endif %}" + smollm2)
-    assert not template_renders_tools("{{ raise_exception('no') }}")
 
 
 def test_an_answer_sent_back_whole_is_accepted() -> None:

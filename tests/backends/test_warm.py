@@ -26,10 +26,9 @@ def _load(tmp_path: Path, name: str, parallel: int = 1) -> Backend:
     spec = next(m for m in load_config(None).models if m.name == name)
     path = resolve_source(spec.source, base_dir=tmp_path, models_dir=tmp_path / "models",
                           roots=None)
-    # The in-process engines' warm states: llama.cpp's in the worker, and sentence-transformers'
-    # for MiniLM (its source is the safetensors). The runners' are tested below.
-    engine = backends.get({"llama-server": "llama-cpp",
-                           "llama-server-embed": "sentence-transformers"}.get(spec.backend,
+    # The in-process engine's warm state: sentence-transformers' for MiniLM (its source is the
+    # safetensors). The runners' are tested below.
+    engine = backends.get({"llama-server-embed": "sentence-transformers"}.get(spec.backend,
                                                                               spec.backend))
     backend = engine.build(engine.load_spec(path, "cpu", 1024, 64, {}, parallel=parallel))
     backend.prepare()
@@ -72,30 +71,6 @@ def test_minilm_gives_its_weights_back_and_embeds_the_same_after_a_restore(
         assert backend.rerank("cat", ["a cat", "a car"]).scores == pytest.approx(scores)
     finally:
         backend.unload()
-
-
-@pytest.mark.parametrize("parallel", [1, 2])
-def test_smollm2_gives_its_pages_and_cache_back_and_answers_the_same(
-        tmp_path: Path, parallel: int) -> None:
-    backend = _load(tmp_path, "smollm2-135m-instruct", parallel=parallel)
-    try:
-        ask = [Message(role="user", content="Name three colours.")]
-        params = GenerationParams(max_tokens=16, temperature=0)
-        before = backend.chat(ask, params).text
-        weights = backend.weight_bytes()
-        assert _released(backend) > weights // 2
-        assert backend.weight_bytes() == 0
-        backend.restore_weights()
-        assert backend.chat(ask, params).text == before
-        assert backend.weight_bytes() == weights
-    finally:
-        backend.unload()
-
-
-def test_a_warm_model_can_be_unloaded_without_a_restore(tmp_path: Path) -> None:
-    backend = _load(tmp_path, "smollm2-135m-instruct")
-    assert backend.release_weights()
-    backend.unload()
 
 
 def _runner(tmp_path: Path, name: str) -> _RunnerProcess:

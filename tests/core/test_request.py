@@ -32,9 +32,9 @@ def _chat(params: GenerationParams = DEFAULTS, **fields: Any) -> GenerationReque
                                **fields)
 
 
-def _completion(*prompts: str | tuple[int, ...], echo: bool = False,
+def _completion(*prompts: str | tuple[int, ...],
                 logprobs: int | None = None) -> GenerationRequest:
-    return GenerationRequest(Task.COMPLETE, "m", GenerationParams(echo=echo, logprobs=logprobs),
+    return GenerationRequest(Task.COMPLETE, "m", GenerationParams(logprobs=logprobs),
                              prompts=prompts)
 
 
@@ -50,7 +50,7 @@ ROUND_TRIPS = [
                        inputs=Inputs(("Be brief.", "go"), "messages", also=("look {}",)),
                        stream=True, include_usage=True), id="tools-named"),
     pytest.param(_chat(tools=ToolUse((TOOL,), "auto", None)), id="tool-turns-auto"),
-    pytest.param(_completion("Once", "Twice", echo=True, logprobs=1), id="two-prompts"),
+    pytest.param(_completion("Once", "Twice", logprobs=1), id="two-prompts"),
     pytest.param(dataclasses.replace(
         _completion((1, 2, 3)), inputs=Inputs(("",), "prompt", token_counts=(3,)),
         usage_per_chunk=True), id="token-ids"),
@@ -75,7 +75,7 @@ OUTPUTS = [
                  "json", False, id="tool-turns-with-a-response-format"),
     pytest.param(_completion("a"), "text", True, id="one-prompt"),
     pytest.param(_completion("a", "b"), "text", False, id="two-prompts"),
-    pytest.param(_completion("a", echo=True), "text", False, id="echo"),
+    pytest.param(_completion("a", logprobs=1), "text", False, id="completion-logprobs"),
 ]
 
 

@@ -157,10 +157,10 @@ def entry(
     return Entry(spec=spec, load=load, bytes_estimated=mib * MIB)
 
 
-def file_entry(name: str, path: Path, backend: str = "llama-cpp", mib: int = 100) -> Entry:
+def file_entry(name: str, path: Path, backend: str = "llama-server", mib: int = 100) -> Entry:
     """A model whose weights are the real file `path` (its header is checked before a load).
     The harness's factory still builds a fake engine for it, declaring `mib`."""
-    spec = ModelSpec(name=name, tasks=[Task.CHAT], backend="llama-cpp", source=str(path),
+    spec = ModelSpec(name=name, tasks=[Task.CHAT], backend="llama-server", source=str(path),
                      device="cpu")
     load = LoadSpec(backend=backend, path=path, device="cpu", context_length=512)
     return Entry(spec=spec, load=load, bytes_estimated=mib * MIB)

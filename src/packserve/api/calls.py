@@ -20,7 +20,6 @@ import anyio
 from packserve.api import relay
 from packserve.api.batching import Batchers
 from packserve.core.backend import Embeddings, Generated, OnText, Ranking, TokenLogprob, Wire
-from packserve.core.compute import TICKET
 from packserve.core.lease import Lease
 from packserve.core.request import GenerationRequest
 
@@ -81,9 +80,6 @@ class Call:
         """Start `request` and hand its pieces over as they come. On leaving (the stream ended,
         or its client left) the engine is asked to stop, and the thread is awaited, shielded
         from cancellation, before the lease can be released."""
-        ticket = TICKET.get()
-        if ticket is not None:
-            ticket.streaming = True  # its deadline is the first token (core.compute)
         stream = Stream(self._lease, request)
         try:
             yield stream

@@ -151,22 +151,18 @@ class TextCompletion(Completion):
     prefix = "cmpl"
     object_type = chunk_type = "text_completion"
 
-    def __init__(self, model: str, prompts: Sequence[str], *, logprobs: bool = False,
-                 echo: bool = False) -> None:
+    def __init__(self, model: str, prompts: Sequence[str], *, logprobs: bool = False) -> None:
         super().__init__(model, logprobs=logprobs)
         self.prompts = list(prompts)
-        self.echo = echo
         # Where the next streamed token starts in the text (OpenAI counts from the prompt's
         # start: a completion's first token sits at len(prompt)).
-        self._offset = 0 if echo or not self.prompts else len(self.prompts[0])
+        self._offset = len(self.prompts[0]) if self.prompts else 0
         self._bytes = self._utf8()  # one decoder across a stream's chunks
 
     def choice(self, index: int, out: Generated) -> dict[str, Any]:
-        prompt = self.prompts[index] if self.echo else ""
-        tokens = [*(out.prompt_logprobs or ()), *(out.logprobs or ())]
-        start = 0 if self.echo else len(self.prompts[index])
-        return {"index": index, "text": prompt + out.text, "finish_reason": out.finish_reason,
-                "logprobs": self._logprobs(tokens, start, self._utf8())[0]}
+        return {"index": index, "text": out.text, "finish_reason": out.finish_reason,
+                "logprobs": self._logprobs(out.logprobs or (), len(self.prompts[index]),
+                                           self._utf8())[0]}
 
     def delta(self, text: str | None, finish: FinishReason | None,
               logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
@@ -181,8 +177,8 @@ class TextCompletion(Completion):
 
     def _logprobs(self, tokens: Sequence[TokenLogprob], start: int,
                   decoder: codecs.IncrementalDecoder) -> tuple[dict[str, Any] | None, int]:
-        """OpenAI's legacy shape: parallel lists of tokens, their logprobs (None for the first
-        token of an echoed prompt), the alternatives and where each token starts."""
+        """OpenAI's legacy shape: parallel lists of tokens, their logprobs, the alternatives
+        and where each token starts."""
         if not self.logprobs:
             return None, start
         offsets, at = [], start

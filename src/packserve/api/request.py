@@ -60,29 +60,34 @@ def chat_request(body: ChatRequest, models: Models) -> GenerationRequest:
         keep_alive=body.keep_alive)
 
 
+# llama.cpp's server, like Ollama's and llama.cpp's router, generates without scoring the
+# prompt: echo would need logits for every prompt position (n_vocab x tokens x 4 bytes: 512 MiB
+# for Gemma 3 at 512 tokens). docs/api.md says where to score prompts instead.
+ECHO_REFUSED = ("echo (the prompt's tokens returned, scored with logprobs) is not supported: "
+                "packserve's llama.cpp engine generates without scoring the prompt, as "
+                "llama.cpp's server and Ollama do; send echo false, or score prompts with a "
+                "server that does (vLLM, prompt_logprobs)")
+
+
 def completion_request(body: CompletionRequest, models: Models) -> GenerationRequest:
     """/v1/completions. Raises InvalidRequest naming the field at fault, ModelNotFound."""
     spec = models.spec_of(body.model)
     asked = body.max_tokens if "max_tokens" in body.model_fields_set else None
+    if body.echo:
+        raise InvalidRequest(ECHO_REFUSED, param="echo")
+    if body.max_tokens == 0:
+        raise InvalidRequest("max_tokens 0 generates nothing: ask for at least 1",
+                             param="max_tokens")
     ids = body.token_ids
     if ids is not None:
         check_engine(spec, token_ids="prompt")
-        if body.echo:
-            raise InvalidRequest("echo needs the prompt's text; this prompt is token ids",
-                                 param="echo")
-    continuous = _checked(body, spec, shaped_here=body.echo or body.logprobs is not None)
+    continuous = _checked(body, spec, shaped_here=body.logprobs is not None)
     params = GenerationParams(max_tokens=_max_tokens(spec, asked, default=body.max_tokens),
                               temperature=body.temperature,
                               top_p=body.top_p, stop=body.stops, seed=body.seed,
-                              logprobs=body.logprobs, echo=body.echo, **_extensions(body))
+                              logprobs=body.logprobs, **_extensions(body))
     if body.stream and len(body.prompts) != 1:
         raise InvalidRequest("streaming takes one prompt", param="prompt")
-    if body.max_tokens == 0 and not body.echo:
-        raise InvalidRequest("max_tokens 0 generates nothing; it is only accepted with echo "
-                             "(to score the prompt)", param="max_tokens")
-    if body.stream and body.echo:
-        raise InvalidRequest("echo is not supported with stream; ask without stream to score "
-                             "a prompt", param="echo")
     return GenerationRequest(
         Task.COMPLETE, body.model, params,
         prompts=tuple(body.prompts) if ids is None else tuple(tuple(row) for row in ids),
@@ -145,7 +150,7 @@ def _checked(body: ChatRequest | CompletionRequest, spec: ModelSpec, *, shaped_h
                         *(["stream_options.continuous_usage_stats"] if continuous else [])])
     if continuous and shaped_here:
         raise InvalidRequest("stream_options.continuous_usage_stats is served on plain "
-                             "generations; this one (logprobs, echo, structured output or "
+                             "generations; this one (logprobs, structured output or "
                              "tools) is shaped by packserve, which reports usage at its end",
                              param="stream_options")
     forced = "min_tokens" if body.min_tokens else "ignore_eos" if body.ignore_eos else None

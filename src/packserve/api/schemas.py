@@ -352,10 +352,10 @@ class ChatRequest(_Generation, _Ignored):
 class CompletionRequest(_Generation):
     prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=16)]
              | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=16)])
-    # 0 only with `echo`: score the prompt, generate nothing
+    # 0 is refused in api.request, after `echo` (OpenAI's way to score a prompt is both)
     max_tokens: int | None = Field(default=16, ge=0, le=MAX_TOKENS_CAP)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # OpenAI's; true is refused with a 400 (api.request.ECHO_REFUSED)
 
     @property
     def token_ids(self) -> list[list[int]] | None:

@@ -16,12 +16,17 @@ from packserve.core.engine import Engine
 
 _BUILT_IN = (
     "packserve.backends.sentence_tf",
-    "packserve.backends.llama",
     "packserve.backends.llama_server",
     "packserve.backends.fake",
 )
 
 _ENGINES: dict[str, Engine] = {}
+
+# Names an entry may still give for an engine folded into another (the config reads them as the
+# engine they name, saying so once): `llama-cpp` was the in-process llama.cpp engine
+# (llama-cpp-python), removed for the runner that serves the same GGUF files through the same
+# API (docs/engines.md).
+ALIASES = {"llama-cpp": "llama-server"}
 
 
 def register(engine: Engine) -> Engine:

@@ -1,10 +1,11 @@
 """llama.cpp in runner processes: each load is one `llama-server` child of the worker.
 
-The design of Ollama and of llama.cpp's own router, measured against the in-process engine
-(`backends.llama`) in docs/engines.md: the engine's loop (decode, sampling, detokenising,
-continuous batching of the load's `parallel` slots, prompt-prefix reuse, grammars) runs in C++
-with every core, and no Python runs per token inside it. The worker reads the runner's
-server-sent events and hands each piece of text to the request, as it does for any engine.
+The design of Ollama and of llama.cpp's own router, which beat an in-process engine (packserve's
+first, through llama-cpp-python, since removed) in docs/engines.md: the engine's loop (decode,
+sampling, detokenising, continuous batching of the load's `parallel` slots, prompt-prefix
+reuse, grammars) runs in C++ with every core, and no Python runs per token inside it. The
+worker reads the runner's server-sent events and hands each piece of text to the request, as it
+does for any engine.
 
 What a runner is to the scheduler: its bytes are the child's resident set size (`weight_bytes`
 reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it started, not the
@@ -18,8 +19,9 @@ milliseconds where a start takes up to half a second; what a warm runner holds i
 (`RunnerGone`); a warm one found dead is loaded anew.
 
 The binary is built by scripts/setup.sh from the vendored llama.cpp of the pinned
-llama-cpp-python sdist, with the same portable flags and patches, into the virtual environment's
-`bin/` (`PACKSERVE_LLAMA_SERVER` names another).
+llama-cpp-python sdist (its source only: the Python package is not installed), with portable
+flags and packserve's patches, into the virtual environment's `bin/` (`PACKSERVE_LLAMA_SERVER`
+names another).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from packserve.backends.llama import _context, _gguf, _size, _wire, sampling_extensions
+from packserve.backends import gguf
 from packserve.core.backend import (
     EXTENSIONS,
     Alternative,
@@ -635,13 +637,15 @@ class _RunnerProcess(Backend):
 class LlamaServerBackend(_RunnerProcess):
     """A generation runner: chats and completions, `parallel` slots decoded together."""
 
-    _template: str = ""
+    # Whether the model's chat template shows the tools it is given: llama.cpp's own probe of
+    # the template it renders with (`/props`' `chat_template_caps`), read once per load.
+    _renders_tools: bool = False
 
     def load(self) -> None:
         super().load()
         try:
-            props = self._get("/props")
-            self._template = str(props.get("chat_template") or "")
+            caps = self._get("/props").get("chat_template_caps") or {}
+            self._renders_tools = bool(caps.get("supports_tools"))
         except BaseException:
             self.unload()
             raise
@@ -659,9 +663,7 @@ class LlamaServerBackend(_RunnerProcess):
         return args + (["--flash-attn", "on"] if per_slot else ["--kv-unified"])
 
     def renders_tools(self) -> bool:
-        from packserve.backends.llama import template_renders_tools
-
-        return bool(self._template) and template_renders_tools(self._template)
+        return self._renders_tools
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         return [len(self._post_json("/tokenize", {"content": t, "add_special": False,
@@ -670,7 +672,7 @@ class LlamaServerBackend(_RunnerProcess):
 
     def chat(self, messages: Sequence[Message], params: GenerationParams,
              on_text: OnText | None = None) -> Generated:
-        body: dict[str, Any] = {"messages": [_wire(m) for m in messages],
+        body: dict[str, Any] = {"messages": [_message(m) for m in messages],
                                 **self._sampling(params)}
         if params.tools:
             body["tools"] = [{"type": "function", "function": {
@@ -693,7 +695,7 @@ class LlamaServerBackend(_RunnerProcess):
         if completion:
             body["prompt"], path = self._prompt(request.prompts[0]), "/v1/completions"
         else:
-            body["messages"] = [_wire(m) for m in request.messages]
+            body["messages"] = [_message(m) for m in request.messages]
             path = "/v1/chat/completions"
         if stream:
             body["stream_options"] = {"include_usage": True}  # counted on the lease
@@ -721,10 +723,6 @@ class LlamaServerBackend(_RunnerProcess):
 
     def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
-        if params.echo:
-            raise InvalidRequest(f"{self.name} runs in a llama-server runner, which cannot "
-                                 f"score a prompt's tokens (echo); serve it with backend = "
-                                 f"\"llama-cpp\" for that", param="echo")
         body: dict[str, Any] = {"prompt": self._prompt(prompt), **self._sampling(params)}
         if params.logprobs is not None:
             body["logprobs"] = params.logprobs
@@ -898,12 +896,39 @@ def _sampling(params: GenerationParams) -> dict[str, Any]:
     elif params.json_object:
         body["json_schema"] = {"type": "object"}
     # Beyond OpenAI's, by llama.cpp's names; absent, llama-server's defaults hold.
-    body.update(sampling_extensions(params))
+    body["frequency_penalty"] = params.frequency_penalty
+    body["presence_penalty"] = params.presence_penalty
+    if params.top_k is not None:
+        body["top_k"] = params.top_k
+    if params.min_p is not None:
+        body["min_p"] = params.min_p
+    if params.repetition_penalty is not None:
+        body["repeat_penalty"] = params.repetition_penalty
     if params.ignore_eos:
         body["ignore_eos"] = True  # every end-of-generation token banned (llama.cpp's list)
     if params.min_tokens:
         body["min_tokens"] = params.min_tokens  # scripts/patches/llama-server-min-tokens.patch
     return body
+
+
+def _message(m: Message) -> dict[str, Any]:
+    """A message as chat templates read it (Hugging Face's convention: a call's arguments as
+    an object, a tool result with its call's id)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _object(c.arguments)}}
+                             for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _object(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _events(response: http.client.HTTPResponse, backend: _RunnerProcess
@@ -985,8 +1010,9 @@ def _to_gguf(path: Path, models_dir: Path, announce: Callable[[str], None] | Non
 
 
 ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE}),
-                default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=_size,
-                check_source=_gguf, context=_context, default_parallel=DEFAULT_PARALLEL,
+                default_concurrency=DEFAULT_PARALLEL, build=LlamaServerBackend, size=gguf.size,
+                check_source=gguf.check_source, context=gguf.context,
+                default_parallel=DEFAULT_PARALLEL,
                 sampling=frozenset({*EXTENSIONS, "continuous_usage_stats"}), token_ids=True,
                 cuda=runner_cuda, own_process=True)
 # Embeddings and bi-encoder rerank from a GGUF encoder (the default catalog's MiniLM, converted

@@ -124,7 +124,6 @@ class GenerationParams:
     # Log-probabilities of each generated token and of this many alternatives (OpenAI's
     # top_logprobs); None: none are computed.
     logprobs: int | None = None
-    echo: bool = False  # completions: also score the prompt's tokens (`Generated.prompt_logprobs`)
     # Chat: tools for the model's own chat template to show it; only given to a backend whose
     # `renders_tools()` is True. What the output may be is `json_schema`'s business.
     tools: tuple[Tool, ...] = ()
@@ -170,7 +169,6 @@ class Generated:
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None  # per generated token, when asked
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # per prompt token, with `echo`
     tool_calls: tuple[ToolCall, ...] = ()  # the answer is these calls (then `text` is "")
 
 
@@ -283,7 +281,7 @@ class Backend:
         None: the route calls `chat` or `complete`. With `request.usage_per_chunk`, each
         streamed event carries the engine's counts so far (`api.relay` makes them usage).
         Called on the event loop under a lease, only for a `request.plain` one (no tools, no
-        structured output, no logprobs, no echo); no I/O."""
+        structured output, no logprobs); no I/O."""
         return None
 
     def complete(self, prompt: str | Sequence[int], params: GenerationParams,

@@ -2,27 +2,22 @@
 
 Memory decides which models are loaded; this decides which of them runs. Engines compute in
 worker threads, and on a CPU box two engines running at once share the same cores: an embedding
-that takes 40 ms alone takes a second behind a generation of another model. So each device has a
+that takes 40 ms alone takes a second behind a pass of another model. So each device has a
 `ComputeGate` of as many units as it has cores (a GPU: one), and each engine call made for a
-request holds as many units as it runs threads while it computes. A request's deadline is its
-arrival plus its model's SLO (by default 0.5 s for embed and rerank, 4 s for chat and complete:
-`[server.slo]`, or a model's `slo_s`). Units go to the waiter with the earliest deadline first
-(EDF). A generation gives its units back between tokens whenever a request with an earlier
-deadline cannot start, so an embedding waits at most one token of somebody else's generation;
-generations of equal urgency take turns token by token (Aegaeon, SOSP'25, schedules models on
-one GPU at token granularity for the same reason).
-
-A streamed generation's deadline is its first token; once that is out, each later token's
-deadline is one SLO after it was asked for, so it yields to fresh work but is not starved. A
-request already past its deadline competes as if it had just arrived (its deadline becomes now
-plus its SLO): under plain EDF the late requests would come first and make every later one
-late too, the domino effect that took SLO attainment from 92% to 65% in a 120 s bench trace.
+request in this process (the torch engines') holds as many units as it runs threads while it
+computes. A request's deadline is its arrival plus its model's SLO (by default 0.5 s for embed
+and rerank, 4 s for chat and complete: `[server.slo]`, or a model's `slo_s`). Units go to the
+waiter with the earliest deadline first (EDF). A request already past its deadline competes as
+if it had just arrived (its deadline becomes now plus its SLO): under plain EDF the late requests
+would come first and make every later one late too, the domino effect that took SLO attainment
+from 92% to 65% in a 120 s bench trace. The llama.cpp runners, which compute in processes of
+their own, take turns by the same deadlines through `backends.llama_server.Turns`.
 
 How requests reach it: the HTTP layer sets `TICKET` (a context variable, so it travels into
 the worker thread with `asyncio.to_thread`) before calling the engine; backends wrap their
-compute in `turn()` and call `between_tokens()` after each token. Outside a request (loads,
-tests of a backend alone) both do nothing. Backends take their own lock before the turn, and
-nothing waits for an engine's lock while holding a turn, so the two cannot deadlock.
+compute in `turn()`. Outside a request (loads, tests of a backend alone) it does nothing.
+Backends take their own lock before the turn, and nothing waits for an engine's lock while
+holding a turn, so the two cannot deadlock.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -46,8 +41,6 @@ class Ticket:
     model: str
     deadline: float  # the gate's clock
     slo_s: float
-    streaming: bool = False  # after its first token the deadline moves (see the module doc)
-    tokens: int = 0
     waited_s: float = 0.0  # time spent waiting for the turn, first wait included
     depth: int = 0  # nested turns of the same ticket (a backend method calling another)
 
@@ -60,12 +53,11 @@ class ComputeGate:
     requests' engine calls earliest deadline first.
 
     An engine call asks for as many units as it runs threads (a sentence-transformers pass
-    one per shard, llama.cpp its decode threads), so two one-thread decodes still run side by
-    side on two cores while an embedding that wants both waits for both to reach a token. The
-    waiter with the earliest deadline is served first and nobody overtakes it, even one that
-    would fit: a large call is never starved by small ones. Thread-safe; engine threads block
-    in `acquire`. `enabled=False` lets every call through at once (the engines then share the
-    cores as the OS schedules them: packserve 0.11's way).
+    one per shard), so two one-thread passes still run side by side on two cores while one that
+    wants both waits for both to end. The waiter with the earliest deadline is served first and
+    nobody overtakes it, even one that would fit: a large call is never starved by small ones.
+    Thread-safe; engine threads block in `acquire`. `enabled=False` lets every call through at
+    once (the engines then share the cores as the OS schedules them: packserve 0.11's way).
     """
 
     def __init__(self, device: str, *, capacity: int = 1, enabled: bool = True,
@@ -78,7 +70,6 @@ class ComputeGate:
         self._held: dict[Ticket, int] = {}  # holder -> units
         self._waiting: list[tuple[float, int, Ticket]] = []  # heap by deadline, then arrival
         self._seq = itertools.count()
-        self.yields = 0  # turns handed to earlier deadlines between tokens
 
     def ticket(self, model: str, slo_s: float, arrived: float | None = None) -> Ticket:
         start = self.clock() if arrived is None else arrived
@@ -105,42 +96,6 @@ class ComputeGate:
             if t.depth == 0:
                 del self._held[t]
                 self._cond.notify_all()
-
-    def pass_turn(self, t: Ticket) -> None:
-        """Between tokens: if a waiter with an earlier deadline cannot start, give back this
-        call's units and queue for them again. Costs one lock when nobody more urgent waits."""
-        if not self.enabled:
-            return
-        with self._cond:
-            if t not in self._held or not self._waiting or self._waiting[0][0] >= t.deadline:
-                return
-            units = self._held.pop(t)
-            self.yields += 1
-            self._cond.notify_all()
-            self._wait_turn(t, units)
-
-    def hold(self, t: Ticket, units: int) -> None:
-        """Change how many units holder `t` holds (its next step runs more or fewer threads):
-        fewer at once; more once they are free, queueing for them by its deadline. Nothing
-        when `t` holds no turn."""
-        if not self.enabled:
-            return
-        with self._cond:
-            have = self._held.get(t)
-            want = self._units(units)
-            if have is None or have == want:
-                return
-            if want < have:
-                self._held[t] = want
-            else:
-                del self._held[t]
-                self._wait_turn(t, want)
-            self._cond.notify_all()
-
-    def held(self, t: Ticket) -> int:
-        """The units holder `t` holds now (0: none)."""
-        with self._cond:
-            return self._held.get(t, 0)
 
     def _units(self, units: int) -> int:
         return self.capacity if units <= 0 else min(units, self.capacity)
@@ -214,71 +169,3 @@ def turn(units: int = 0) -> Iterator[None]:
         yield
     finally:
         t.gate.release(t)
-
-
-def between_tokens() -> None:
-    """Called by a generating engine after each token it hands out, holding its turn."""
-    t = TICKET.get()
-    if t is None:
-        return
-    token_made(t)
-    t.gate.pass_turn(t)
-
-
-def token_made(t: Ticket | None) -> None:
-    """Count a token handed out for `t` and move its deadline (see the module doc). Called by
-    `between_tokens`, and by an engine that computes for several requests in one thread."""
-    if t is None:
-        return
-    t.tokens += 1
-    now = t.gate.clock()
-    if t.streaming or t.deadline < now:  # first token out, or missed: like fresh work
-        t.deadline = now + t.slo_s
-
-
-@contextlib.contextmanager
-def batch_turn(tickets: Iterable[Ticket | None], units: int = 0) -> Iterator[None]:
-    """Hold, for one step that computes for several requests at once (a batched decode), the
-    turn of the most urgent of their tickets, with `units` threads' worth of the device. The
-    step is one engine call: it waits behind earlier deadlines as a whole, and is released
-    after it, so a more urgent call waits for one step. Called from the engine's own thread
-    (no `TICKET` there); nothing when none of the requests has a ticket."""
-    live = [t for t in tickets if t is not None]
-    if not live:
-        yield
-        return
-    t = min(live, key=lambda x: x.deadline)
-    t.gate.acquire(t, units)
-    try:
-        yield
-    finally:
-        t.gate.release(t)
-
-
-@contextlib.contextmanager
-def step_units(units: int) -> Iterator[None]:
-    """Within a held turn, one step that runs `units` threads (a prompt slice read on more
-    threads than the turn's decode): the turn holds that many units for the step, then as
-    many as before. Nothing outside a request or a turn."""
-    t = TICKET.get()
-    before = t.gate.held(t) if t is not None and t.gate.enabled else 0
-    if t is None or not before:
-        yield
-        return
-    t.gate.hold(t, units)
-    try:
-        yield
-    finally:
-        t.gate.hold(t, before)
-
-
-def between_slices() -> None:
-    """Called by an engine between slices of a long computation it can split (a prompt read
-    in slices of tokens), holding its turn: a more urgent call waits for one slice, not all."""
-    t = TICKET.get()
-    if t is None:
-        return
-    now = t.gate.clock()
-    if t.deadline < now:
-        t.deadline = now + t.slo_s
-    t.gate.pass_turn(t)

@@ -75,7 +75,7 @@ class GenerationRequest:
 
     task: Task  # Task.CHAT or Task.COMPLETE
     model: str  # the catalog name
-    # Sampling, max_tokens within the model's max_output_tokens, logprobs, echo, and the
+    # Sampling, max_tokens within the model's max_output_tokens, logprobs, and the
     # grammar the output is held to (a response format's schema, or the tool envelope).
     params: GenerationParams
     messages: tuple[Message, ...] = ()  # a chat, as the model's own chat template shows it
@@ -106,9 +106,9 @@ class GenerationRequest:
     @property
     def plain(self) -> bool:
         """Whether the engine's own answer in OpenAI's shape answers it (`Runner.wire`): one
-        choice, no tools, no structured output, no logprobs, no echo."""
+        choice, no tools, no structured output, no logprobs."""
         return (self.choices == 1 and self.tools is None and self.output == "text"
-                and self.params.logprobs is None and not self.params.echo)
+                and self.params.logprobs is None)
 
     def conversation(self, renders_tools: bool) -> tuple[tuple[Message, ...], GenerationParams]:
         """The messages and parameters a chat engine gets. With tools: through the engine's own

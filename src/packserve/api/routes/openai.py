@@ -79,5 +79,4 @@ async def completions(body: CompletionRequest, s: ServicesDep
                       ) -> dict[str, Any] | StreamingResponse:
     request = completion_request(body, s)
     return await answer(s, request, TextCompletion(body.model, body.prompts,
-                                                   logprobs=body.logprobs is not None,
-                                                   echo=body.echo))
+                                                   logprobs=body.logprobs is not None))
