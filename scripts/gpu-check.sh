@@ -9,14 +9,18 @@
 #       (PACKSERVE_CUDA_ARCH) with setup.sh's flags and patches, xz-compressed, and this check.
 #       Prints DIR's size and fails over 64 MiB.
 #   DIR/gpu-check.sh --prepared DIR      (the GPU machine: python3 3.12 with torch+CUDA,
-#       nvidia-ml-py and sentence-transformers; no registry) install the wheels into a venv
-#       over the system's packages (--no-index), generate tiny models, serve them on cuda:0 and
-#       write DIR/report/report.json and report.txt (scripts/gpu/check.py: at most 6 minutes),
-#       then run the tests marked gpu.
+#       nvidia-ml-py and sentence-transformers, itself a venv; no registry) a venv that sees
+#       python3's packages through a .pth, the wheels installed into it (--no-index), llama-server
+#       behind a wrapper that sets its libraries; then scripts/gpu/check.py: the models (a
+#       Llama-3.2-1B-shaped GGUF, a BERT) served on cuda:0, measured, each step in its seconds.
+#       Everything ends inside PACKSERVE_GPU_CHECK_SECONDS (570: one device command of 600 s);
+#       report.json, report.txt and logs.tar.xz go to $OUT when it is set, else DIR/report.
+#       PACKSERVE_GPU_CHECK_ARGS: more words for check.py (e.g. --only environment,serve).
 #   scripts/gpu-check.sh --dry-run [DIR] (any machine, in a checkout with .venv) every step that
 #       needs no card: the fake-CUDA tests, the tiny models (the GGUF in the CPU llama-server,
 #       the BERT in sentence-transformers on the CPU), DIR's size; then fails saying no NVIDIA
-#       driver was found (or says the driver is there: run --prepared).
+#       driver was found (or says the driver is there: run --prepared). After a setup without
+#       --dev it names the steps it skips (no pytest, no sentence-transformers).
 set -euo pipefail
 
 limit=$((64 * 1024 * 1024))
@@ -147,8 +151,9 @@ prepare() {
   git ls-files -z -co --exclude-standard -- "${files[@]}" | tar --null -T - -cJf "$dir/src.tar.xz"
   build=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-wheel.XXXXXX")
   tar -xJf "$dir/src.tar.xz" -C "$build"
-  "$py" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
-    -w "$dir/wheels" "$build" >/dev/null
+  # with build isolation: pyproject's SPDX `license = "Apache-2.0"` (PEP 639) needs setuptools
+  # 77 or newer, and a Python 3.11 venv has 65.5; pip fetches a current one for the build
+  "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir/wheels" "$build" >/dev/null
   rm -rf "$build"
   # the check and this script
   cp scripts/gpu/*.py "$dir/gpu/"
@@ -162,81 +167,162 @@ prepare() {
   check_size "$dir" || exit 1
 }
 
+# --- on the GPU machine ------------------------------------------------------------------------
+# Each environment step runs alone, its output in logs/NAME.log and its verdict in
+# logs/env-steps.txt; a failed one is fatal (nothing after it could measure the card), and the
+# EXIT trap still leaves a report. Where $OUT is set (the device tool brings back only what is
+# under it: at most 8 files of 16 MiB), report.json, report.txt and logs.tar.xz go there.
+env_step() {
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  say "$name"
+  set +e
+  ( set -e; "$@" ) >>"$logs/$name.log" 2>&1
+  rc=$?
+  set -e
+  if [ "$rc" -eq 0 ]; then
+    echo "$name ok $((SECONDS - t0))" >>"$logs/env-steps.txt"
+    return 0
+  fi
+  echo "$name FAILED $((SECONDS - t0))" >>"$logs/env-steps.txt"
+  tail -n 25 "$logs/$name.log" >&2
+  fail "$name failed (exit $rc); its log: $logs/$name.log"
+}
+
+finish() {
+  local rc=$?
+  trap - EXIT TERM INT
+  # check.py ends its own processes; this is for a kill between two of its steps
+  if [ -n "${check_pid:-}" ] && kill -TERM "$check_pid" 2>/dev/null; then
+    local i
+    for i in $(seq 30); do kill -0 "$check_pid" 2>/dev/null && sleep 0.5 || break; done
+  fi
+  "$py" "$dir/gpu/box.py" env-report "$report" "$logs/env-steps.txt" || true
+  "$py" "$dir/gpu/box.py" pack-logs "$logs" "$report/logs.tar.xz" 4 || true
+  say "report: $report/report.json, report.txt, logs.tar.xz (exit $rc; $((SECONDS - t_start)) s)"
+  exit "$rc"
+}
+
+# the machine's python3 (PYTHON names another) is a venv itself: this venv sees its packages
+# through a .pth of site.addsitedir lines (not --system-site-packages, which would give the
+# *base* interpreter's), and installs what the wheels add at the pins, --no-index
+make_venv() {
+  rm -rf "$venv"
+  "$py" -m venv --without-pip "$venv"
+  local purelib
+  purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$py" "$dir/gpu/box.py" site-dirs >"$purelib/packserve-gpu-check-parent.pth"
+  cat "$purelib/packserve-gpu-check-parent.pth"
+  "$venv/bin/python" -c 'import numpy, pip; print("numpy", numpy.__version__, "pip", pip.__version__)'
+}
+
+install_wheels() {
+  local pipv=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
+  # what the parent already has at a version the pins accept stays the parent's
+  "${pipv[@]}" install --no-index --find-links "$dir/wheels" -r "$dir/wheels/requirements.txt"
+  "${pipv[@]}" install --no-index --no-deps --force-reinstall "$dir"/wheels/packserve-*.whl
+  "$venv/bin/python" -c 'import packserve, fastapi, gguf; print("packserve", packserve.__file__)'
+}
+
+# llama-server behind a wrapper that sets its libraries for it alone: torch's NVIDIA wheels
+# (libcudart, libcublas .so.13), the toolkit's lib64, and the shipped C++ runtime only where the
+# machine's is missing or older (ldd's "not found"); torch never sees the shipped libstdc++
+install_llama_server() {
+  mkdir -p "$dir/bin" "$dir/llama"
+  "$py" "$dir/gpu/box.py" unxz "$dir/llama-server.xz" "$dir/llama/llama-server"
+  chmod +x "$dir/llama/llama-server"
+  local libs
+  libs=$("$venv/bin/python" "$dir/gpu/box.py" cuda-libs)
+  libs+=":${PACKSERVE_CUDA_HOME:-/usr/local/cuda}/lib64"
+  libs=${libs#:}
+  if LD_LIBRARY_PATH=$libs ldd "$dir/llama/llama-server" 2>&1 | grep -q 'not found' \
+      && [ -f "$dir/lib.tar.xz" ]; then
+    echo "the machine's C++ runtime is missing or older than the build's: the shipped one"
+    mkdir -p "$dir/lib"
+    "$py" "$dir/gpu/box.py" untar "$dir/lib.tar.xz" "$dir/lib"
+    libs+=":$dir/lib"
+  fi
+  echo "llama-server's LD_LIBRARY_PATH=$libs"
+  if LD_LIBRARY_PATH=$libs ldd "$dir/llama/llama-server" 2>&1 | grep 'not found'; then
+    echo "llama-server misses the libraries above (torch's nvidia-cublas / cuda-runtime wheels?)"
+    return 1
+  fi
+  printf '#!/bin/sh\n# written by gpu-check.sh --prepared: the libraries for llama-server alone\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %s "$@"\n' \
+    "'$libs'" "'$dir/llama/llama-server'" >"$dir/bin/llama-server"
+  chmod +x "$dir/bin/llama-server"
+  "$dir/bin/llama-server" --list-devices
+}
+
 prepared() {
   [ -f "$dir/llama-server.xz" ] && [ -d "$dir/wheels" ] || fail "$dir is not a prepared folder"
   dir=$(cd "$dir" && pwd)
-  driver_answers || fail "no NVIDIA driver answers (nvidia-smi): run this on the GPU machine"
-  local py=${PYTHON:-python3} venv=$dir/venv
-  say "python: $("$py" -c 'import sys; print(sys.version.split()[0])'), $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
-  if [ ! -x "$venv/bin/packserve" ]; then
-    rm -rf "$venv"
-    if "$py" -m venv --system-site-packages "$venv" 2>/dev/null; then
-      pipv() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
-    else  # no ensurepip (Debian's python3-venv missing): the system's pip installs into it
-      rm -rf "$venv"
-      "$py" -m venv --system-site-packages --without-pip "$venv"
-      pipv() { "$py" -m pip --disable-pip-version-check --python "$venv/bin/python" "$@"; }
-    fi
-    # what the system already has at a version packserve accepts stays the system's
-    pipv install -q --no-index --find-links "$dir/wheels" -r "$dir/wheels/requirements.txt"
-    pipv install -q --no-index --no-deps "$dir"/wheels/packserve-*.whl
-  fi
-  mkdir -p "$dir/bin" "$dir/src"
-  xz -dc "$dir/llama-server.xz" > "$dir/bin/llama-server"
-  chmod +x "$dir/bin/llama-server"
-  tar -xJf "$dir/src.tar.xz" -C "$dir/src"
-  # cudart and cuBLAS for llama-server: torch's NVIDIA wheels (site-packages/nvidia/...)
-  local libs
-  libs=$("$venv/bin/python" - <<'EOF'
-import site, pathlib
-dirs = []
-for sp in site.getsitepackages():
-    for name in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13"):
-        for hit in sorted(pathlib.Path(sp).glob(f"nvidia/**/{name}")):
-            if str(hit.parent) not in dirs:
-                dirs.append(str(hit.parent))
-print(":".join(dirs))
-EOF
-)
-  # then the toolkit's (nvcc's prefix), for what torch's wheels do not have
-  libs+=":${PACKSERVE_CUDA_HOME:-/usr/local/cuda}/lib64"
-  export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  if ldd "$dir/bin/llama-server" 2>&1 | grep -q 'not found' && [ -f "$dir/lib.tar.xz" ]; then
-    say "the system's C++ runtime is missing or older than the build's: the shipped one"
-    mkdir -p "$dir/lib" && tar -xJf "$dir/lib.tar.xz" -C "$dir/lib"
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dir/lib"
-  fi
-  say "llama-server's libraries: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
-  if ldd "$dir/bin/llama-server" 2>&1 | grep 'not found'; then
-    fail "llama-server misses the libraries above (torch's nvidia-cublas / cuda-runtime wheels?)"
-  fi
+  # the budget: everything, report included, inside one device command (600 s at most)
+  t_start=$SECONDS
+  local total=${PACKSERVE_GPU_CHECK_SECONDS:-570}
+  py=${PYTHON:-python3}
+  venv=$dir/venv
+  logs=$dir/logs
+  report=${OUT:-$dir/report}
+  rm -rf "$logs" && mkdir -p "$logs" "$report"
+  trap finish EXIT
+  trap 'say "stopped by a signal"; exit 143' TERM INT
+  driver_answers || { echo "nvidia-smi FAILED 0" >"$logs/env-steps.txt"
+    fail "no NVIDIA driver answers (nvidia-smi): run this on the GPU machine"; }
+  say "python: $("$py" -c 'import sys; print(sys.version.split()[0], sys.prefix)'), $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 \
+    PYTHONUNBUFFERED=1
+  env_step venv make_venv
+  env_step wheels install_wheels
+  env_step llama-server install_llama_server
+  mkdir -p "$dir/src"
+  env_step source "$py" "$dir/gpu/box.py" untar "$dir/src.tar.xz" "$dir/src"
   export PACKSERVE_LLAMA_SERVER=$dir/bin/llama-server
-  local rc=0
-  timeout 420 "$venv/bin/python" "$dir/gpu/check.py" --out "$dir/report" \
+  # check.py's deadline is what is left less 20 s for its own cleanup and the logs' packing;
+  # timeout sends SIGTERM 10 s past it (check.py stops its servers and writes its report) and
+  # SIGKILL 10 s after that
+  local left=$((total - (SECONDS - t_start) - 20)) rc=0
+  [ "$left" -ge 60 ] || fail "only $left s left for the check (PACKSERVE_GPU_CHECK_SECONDS=$total)"
+  # shellcheck disable=SC2086  # PACKSERVE_GPU_CHECK_ARGS: extra words for check.py
+  timeout -k 10 $((left + 10)) "$venv/bin/python" "$dir/gpu/check.py" --out "$dir/work" \
+    --report "$report" --logs "$logs" --deadline "$left" \
     --llama-server "$dir/bin/llama-server" --packserve "$venv/bin/packserve" \
-    --tests "$dir/src" --device cuda:0 || rc=$?
-  say "report: $dir/report/report.json and report.txt (exit $rc)"
+    --tests "$dir/src" --device cuda:0 ${PACKSERVE_GPU_CHECK_ARGS:-} &
+  check_pid=$!
+  wait "$check_pid" || rc=$?
+  check_pid=
   return "$rc"
 }
 
+# After README's serve command alone (scripts/setup.sh without --dev) .venv has no pytest and no
+# sentence-transformers: the dry run names the steps it skips for want of them, not a failure.
 dry_run() {
   cd "$(dirname "$0")/.."
-  [ -x .venv/bin/python ] || fail "no .venv here: scripts/setup.sh --dev first"
-  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-  local py=.venv/bin/python failed=()
+  local py=${PACKSERVE_GPU_CHECK_PYTHON:-.venv/bin/python} failed=() skipped=()
+  [ -x "$py" ] || fail "no .venv here: scripts/setup.sh first"
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1
+  has() { "$py" -c "import $1" >/dev/null 2>&1; }
   tmp=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-dry.XXXXXX")  # global: the trap reads it
   trap 'rm -rf "$tmp"' EXIT
   # 1. the fake-CUDA tests
-  if [ -f tests/core/test_fake_cuda.py ]; then
+  if [ ! -f tests/core/test_fake_cuda.py ]; then
+    say "fake-CUDA tests: skipped, tests/core/test_fake_cuda.py is not in this checkout yet"
+  elif ! has pytest; then
+    skipped+=("fake-CUDA tests (no pytest)")
+  else
     say "fake-CUDA tests (tests/core/test_fake_cuda.py)"
     "$py" -m pytest -q -p no:cacheprovider tests/core/test_fake_cuda.py >&2 || failed+=(fake-cuda-tests)
-  else
-    say "fake-CUDA tests: skipped, tests/core/test_fake_cuda.py is not in this checkout yet"
   fi
   # 2. the tiny models, and that they load on the CPU
+  local only=() load=(--gguf "$tmp/tiny-llama.gguf")
+  if has sentence_transformers; then
+    load+=(--bert "$tmp/tiny-bert")
+  else
+    only=(--only gguf)
+    skipped+=("the BERT (no sentence-transformers)")
+  fi
   say "tiny models into $tmp"
-  if "$py" scripts/gpu/tiny_models.py "$tmp" >/dev/null 2>"$tmp/models.log"; then
-    "$py" scripts/gpu/load_check.py --gguf "$tmp/tiny-llama.gguf" --bert "$tmp/tiny-bert" \
+  if "$py" scripts/gpu/tiny_models.py "$tmp" "${only[@]}" >/dev/null 2>"$tmp/models.log"; then
+    "$py" scripts/gpu/load_check.py "${load[@]}" \
       --llama-server "${PACKSERVE_LLAMA_SERVER:-.venv/bin/llama-server}" >&2 || failed+=(tiny-models-load)
   else
     cat "$tmp/models.log" >&2
@@ -251,6 +337,8 @@ dry_run() {
       failed+=(prepared-folder)
     fi
   fi
+  [ ${#skipped[@]} -eq 0 ] \
+    || say "skipped for want of the dev install (scripts/setup.sh --dev): $(IFS=';'; echo "${skipped[*]}" | sed 's/;/; /g')"
   [ ${#failed[@]} -eq 0 ] || fail "dry run: failed: ${failed[*]}"
   if driver_answers; then
     say "dry run passed; an NVIDIA driver answers here: run --prepared DIR for the check on the card"
