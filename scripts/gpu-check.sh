@@ -155,8 +155,10 @@ prepare() {
   # 77 or newer, and a Python 3.11 venv has 65.5; pip fetches a current one for the build
   "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$dir/wheels" "$build" >/dev/null
   rm -rf "$build"
-  # the check and this script
+  # the check and this script, and llama.cpp's router as the check's peer (benchmarks/router.py)
   cp scripts/gpu/*.py "$dir/gpu/"
+  mkdir -p "$dir/gpu/benchmarks"
+  cp benchmarks/__init__.py benchmarks/common.py benchmarks/router.py "$dir/gpu/benchmarks/"
   cp scripts/gpu-check.sh "$dir/gpu-check.sh"
   {
     echo "prepared: $(date -u +%FT%TZ) on $(uname -n) from packserve $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests scripts || echo ' (with changes)')"

@@ -25,6 +25,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -39,6 +40,9 @@ from xml.etree import ElementTree
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+# benchmarks/router.py (llama.cpp's router as packserve's peer): shipped in the prepared folder's
+# gpu/benchmarks/, or the checkout's own
+sys.path.append(str(HERE if (HERE / "benchmarks").is_dir() else HERE.parents[1]))
 
 MiB = 1 << 20
 LLAMA, BERT = "llama", "bert"
@@ -309,10 +313,81 @@ def role(pid: int, serve_pid: int | None) -> str:
     return cmd[:80] or "(gone)"
 
 
+def argv_of(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+# where a runner listens and how much it logs: the direct run and the router choose their own
+_NOT_COPIED = {"--host": 1, "--port": 1, "--log-verbosity": 1}
+
+
+def runner_args(argv: Sequence[str]) -> list[str]:
+    """A packserve runner's options (its argv less the binary), without where it listens and its
+    log verbosity (a runner logs warnings only; the buffer lines are info)."""
+    out: list[str] = []
+    i = 1
+    while i < len(argv):
+        if argv[i] in _NOT_COPIED:
+            i += 1 + _NOT_COPIED[argv[i]]
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def preset_keys(args: Sequence[str]) -> dict[str, str]:
+    """Options as a router preset's keys (llama-server's long names without dashes; a flag is
+    `true`), less what the router itself or the preset's section sets (model, alias, the web
+    UI, the slots endpoint, offline)."""
+    keys: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        name = args[i].lstrip("-")
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            keys[name], i = args[i + 1], i + 2
+        else:
+            keys[name], i = "true", i + 1
+    for router_own in ("model", "alias", "no-webui", "no-slots", "offline"):
+        keys.pop(router_own, None)
+    return keys
+
+
+def runner_log(pid: int) -> Path | None:
+    """A packserve runner's log: runner.log in the folder of its socket (packserve-runner-*),
+    named on its command line."""
+    for word in cmdline(pid).split():
+        if "packserve-runner-" in word:
+            log = Path(word).parent / "runner.log"
+            if log.is_file():
+                return log
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# llama.cpp's buffer lines at its default verbosity, e.g.
+#   load_tensors:        CUDA0 model buffer size =  1252.41 MiB
+#   llama_kv_cache:      CUDA0 KV buffer size =    64.00 MiB
+#   llama_context:       CUDA0 compute buffer size =   258.50 MiB
+_BUFFER = re.compile(r"\b(CUDA\d+)\s+(\w+) buffer size\s*=\s*([\d.]+) MiB")
+
+
+def llama_buffers(log: str, device: str = "CUDA0") -> dict[str, int]:
+    """Bytes llama.cpp says it allocated on `device`, by kind (model, KV, compute, ...); the
+    host's buffers (CUDA_Host, CPU) are not the card's."""
+    found: dict[str, int] = {}
+    for dev, kind, mib in _BUFFER.findall(log):
+        if dev == device:
+            found[kind] = found.get(kind, 0) + int(float(mib) * MiB)
+    return found
 
 
 # -- HTTP (standard library only) ---------------------------------------------------------------
@@ -414,6 +489,24 @@ def chats(port: int, model: str | None, n: int) -> dict[str, Any]:
         wall = time.monotonic() - start
     return {"one": one, "concurrent": many, "concurrent_n": n,
             "concurrent_total_tokens_per_s": round(sum(m["tokens"] for m in many) / wall, 1)}
+
+
+def burst(port: int, model: str | None, n: int) -> dict[str, Any]:
+    """`n` streams at once: seconds to each one's first token (p50, p95) and the tokens/s of
+    all of them together."""
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        start_s = time.monotonic()
+        got = list(pool.map(lambda _: stream_chat(port, model), range(n)))
+        wall = time.monotonic() - start_s
+    first = sorted(g["first_token_s"] for g in got)
+    return {"n": n, "first_token_p50_s": _rank(first, 0.5),
+            "first_token_p95_s": _rank(first, 0.95), "wall_s": round(wall, 3),
+            "tokens_per_s": round(sum(g["tokens"] for g in got) / wall, 1)}
+
+
+def _rank(ordered: Sequence[float], q: float) -> float:
+    """The nearest-rank quantile of an ordered list."""
+    return ordered[max(0, min(len(ordered) - 1, -(-round(q * 100) * len(ordered) // 100) - 1))]
 
 
 # -- the server under test ----------------------------------------------------------------------
@@ -539,6 +632,7 @@ class Check:
             Step(f"footprint:{BERT}", lambda: self.footprint_of(BERT), 10, 90, 2, served),
             Step("cuda_contexts", self.contexts, 2, 20, 1, served),
             Step("chats_packserve", lambda: chats(self.port, LLAMA, 4), 20, 90, 1, served),
+            Step("router_vs_packserve", self.router, 40, 150, 2, served),
             Step("audit", self.audit, 10, 60, 4, served),
             Step(f"warm_vs_cold:{LLAMA}", lambda: self.warm_vs_cold(LLAMA), 15, 60, 3, served),
             Step(f"warm_vs_cold:{BERT}", lambda: self.warm_vs_cold(BERT), 15, 60, 3, served),
@@ -667,6 +761,17 @@ class Check:
         }
         device = next((d for d in served.residency()["devices"] if d["name"] == self.device),
                       None)
+        if name == LLAMA and holder is not None:
+            self.footprint[name]["runner_argv"] = argv_of(holder)
+            # the runner's context: its process bytes less llama.cpp's buffers on the card
+            log = runner_log(holder)
+            buffers = llama_buffers(log.read_text("utf-8", errors="replace")) if log else {}
+            self.footprint[name]["runner_log"] = str(log) if log else None
+            self.footprint[name]["device_buffers"] = buffers
+            self.footprint[name]["cuda_context_bytes"] = (
+                held - sum(buffers.values()) if held is not None and buffers else None)
+        else:  # the worker's context is packserve's own measure of it: the device's base
+            self.footprint[name]["cuda_context_bytes"] = (device or {}).get("base_bytes")
         return {**self.footprint[name], "device_row": device}
 
     def _served(self) -> Served:
@@ -772,22 +877,71 @@ class Check:
         return {"budget_bytes": budget, "headroom_bytes": headroom, "sizes": size,
                 "steps": steps, "device_used_after_stop": after, "evicted": evicted}
 
+    def llama_args(self) -> tuple[list[str], str]:
+        """The runner's options as packserve started it (from its footprint step), or, where
+        that step failed, what they are assumed to be."""
+        argv = (self.footprint.get(LLAMA) or {}).get("runner_argv")
+        if argv:
+            return runner_args(argv), "the runner's own"
+        return ["--model", str(self.models / "llama.gguf"),
+                *(["--device", "CUDA0", "--n-gpu-layers", "all"] if self.cuda
+                  else ["--device", "none"]), "--parallel", "4", "--ctx-size", "2048",
+                "--kv-unified", "--jinja", "--no-webui", "--offline"], "assumed (no runner seen)"
+
     def direct(self) -> dict[str, Any]:
-        """The same binary and file run directly, with the runner's slots and context: on a
-        CUDA device every layer on CUDA0 (never the CPU, whatever NVML said)."""
+        """The same binary and file run directly with the runner's options (slots, context,
+        cache, --fit, device: on a CUDA device every layer on CUDA0, whatever NVML said), at
+        llama.cpp's default verbosity, whose buffer lines give the runner's CUDA context."""
         port = free_port()
-        proc = start([self.args.llama_server, "--model", str(self.models / "llama.gguf"),
-                      "--host", "127.0.0.1", "--port", str(port),
-                      *(["--device", "CUDA0", "--n-gpu-layers", "all"] if self.cuda
-                        else ["--device", "none"]), "--parallel", "4", "--ctx-size", "2048",
-                      "--kv-unified", "--jinja", "--no-webui", "--offline"],
+        args, source = self.llama_args()
+        proc = start([self.args.llama_server, *args, "--host", "127.0.0.1", "--port", str(port)],
                      self.logs / "llama-server-direct.log")
         try:
             wait_healthy(port, proc, step_left(60), "/health")
             held = self.nvml.processes().get(proc.pid) if self.nvml else None
+            buffers = llama_buffers(
+                (self.logs / "llama-server-direct.log").read_text("utf-8", errors="replace"))
             result = chats(port, None, 4)
+            result["args"], result["args_from"] = args, source
             result["process_bytes"] = held
+            result["device_buffers"] = buffers
+            # the runner's CUDA context: what NVML charges its process less what llama.cpp
+            # says it allocated there (weights, KV cache, compute); the figure the planner's
+            # assumed GPU_RUNTIME_BYTES (512 MiB) is to be checked against
+            result["cuda_context_bytes"] = (held - sum(buffers.values())
+                                            if held is not None and buffers else None)
             return result
+        finally:
+            stop(proc, grace=5)
+
+    def router(self) -> dict[str, Any]:
+        """llama.cpp's router (benchmarks/router.py's preset and command line) serving the
+        same file with the runner's options, against packserve, alternating: 1, 4 and 16
+        streams at once, two rounds each."""
+        from benchmarks import router as peer
+
+        served = self._served()
+        args, source = self.llama_args()
+        model = args[args.index("--model") + 1]
+        preset = peer.write_preset(self.out / "router-preset.ini",
+                                   {LLAMA: {"model": model, **preset_keys(args)}})
+        port = free_port()
+        proc = start([*peer.argv(Path(self.args.llama_server), preset, self.out / "router-cache"),
+                      "--port", str(port)], self.logs / "llama-server-router.log")
+        try:
+            wait_healthy(port, proc, step_left(60), "/health")
+            stream_chat(port, LLAMA, max_tokens=4)  # its child starts on a first request
+            note_descendants()
+            child = next((c for c in children(proc.pid) if "llama-server" in cmdline(c)), None)
+            rounds = [{"round": r, "server": who, **{f"streams_{n}": burst(at, LLAMA, n)
+                                                     for n in (1, 4, 16)}}
+                      for r in range(2)
+                      for who, at in (("packserve", served.port), ("router", port))]
+            return {"args_from": source, "preset": preset.read_text("utf-8"),
+                    "router_child_bytes": (self.nvml.processes().get(child)
+                                           if self.nvml and child else None),
+                    "runner_bytes": (self.footprint.get(LLAMA) or {}).get("nvml_process_bytes"),
+                    "rounds": rounds}
         finally:
             stop(proc, grace=5)
 
@@ -845,7 +999,9 @@ def table(report: dict[str, Any]) -> str:
         for name, r in fp["models"].items():
             lines.append(f"{name:<12} {_mib(r['estimated_bytes']):>11} "
                          f"{_mib(r['measured_bytes']):>11} {_mib(r['planned_bytes']):>11} "
-                         f"{_mib(r['nvml_process_bytes']):>11}  {r['nvml_process']}")
+                         f"{_mib(r['nvml_process_bytes']):>11}  {r['nvml_process']}"
+                         + (f", CUDA context {_mib(r['cuda_context_bytes'])}"
+                            if r.get("cuda_context_bytes") is not None else ""))
     ctx = (steps.get("cuda_contexts") or {}).get("result")
     if ctx:
         lines += ["", "CUDA contexts (NVML's process list):"]
@@ -877,6 +1033,24 @@ def table(report: dict[str, Any]) -> str:
             return str(r["concurrent_total_tokens_per_s"]) if r else "-"
         lines.append(f"{'one stream':<22} {one(chat_p):>10} {one(chat_d):>13}")
         lines.append(f"{'four at once (sum)':<22} {four(chat_p):>10} {four(chat_d):>13}")
+    peer = (steps.get("router_vs_packserve") or {}).get("result")
+    if peer:
+        lines += ["", "packserve against llama.cpp's router (same file, the runner's options; "
+                  "median of the rounds)",
+                  f"{'streams':<8} {'server':<10} {'1st token p50':>14} {'p95':>8} "
+                  f"{'tokens/s':>9}"]
+        for n in (1, 4, 16):
+            for who in ("packserve", "router"):
+                runs = [r[f"streams_{n}"] for r in peer["rounds"] if r["server"] == who]
+                if runs:
+                    def med(key: str, runs: list[dict[str, Any]] = runs) -> float:
+                        return sorted(r[key] for r in runs)[len(runs) // 2]
+                    lines.append(f"{n:<8} {who:<10} {med('first_token_p50_s'):>14} "
+                                 f"{med('first_token_p95_s'):>8} {med('tokens_per_s'):>9}")
+    if chat_d and chat_d.get("cuda_context_bytes") is not None:
+        buffers = ", ".join(f"{k} {_mib(v)}" for k, v in chat_d["device_buffers"].items())
+        lines.append(f"\nllama-server's CUDA context: {_mib(chat_d['cuda_context_bytes'])} "
+                     f"(NVML's {_mib(chat_d['process_bytes'])} for its process less {buffers})")
     return "\n".join(lines) + "\n"
 
 
