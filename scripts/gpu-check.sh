@@ -26,9 +26,14 @@ set -euo pipefail
 limit=$((64 * 1024 * 1024))
 say() { echo "gpu-check: $*" >&2; }
 fail() { say "$*"; exit 1; }
-usage() { echo "usage: scripts/gpu-check.sh --prepare DIR | --prepared DIR | --dry-run [DIR]" >&2; exit 2; }
+usage() { echo "usage: scripts/gpu-check.sh --prepare [--no-compile] DIR | --prepared DIR | --dry-run [DIR]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 mode=$1
+no_compile=false
+if [ "$mode" = --prepare ] && [ "${2:-}" = --no-compile ]; then
+  no_compile=true
+  shift
+fi
 dir=${2:-}
 case "$mode" in
   --prepare|--prepared) [ -n "$dir" ] || usage ;;
@@ -97,6 +102,47 @@ cuda_overlay() {
   export LD_LIBRARY_PATH="$overlay/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
+# --- --prepare --no-compile: llama.cpp's source for a build on the card ---------------------------
+# The llama-cpp-python sdist setup.sh builds from (76.6 MB, over what a call carries), patched
+# here as setup.sh patches it, trimmed to what llama-server needs: ggml with its CPU and CUDA
+# parts, src, include, common, vendor, tools (each tool's CMakeLists is read at configure time)
+# without the web UI's sources, the server's tests and the other backends. 3.8 MB xz (0.3.36).
+llama_version() {
+  local v
+  v=$(scripts/setup.sh --plan 2>/dev/null | sed -n 's/^llama.cpp source: llama-cpp-python \([^ ]*\) sdist$/\1/p')
+  [ -n "$v" ] || v=$(sed -n 's/^llama-cpp-python==//p' requirements.txt)
+  [ -n "$v" ] || fail "no llama-cpp-python version: neither setup.sh --plan nor requirements.txt names one"
+  echo "$v"
+}
+
+llama_tree() {
+  local arch=$1 version src flags
+  version=$(llama_version)
+  flags=$(PACKSERVE_DEVICE=cuda PACKSERVE_CUDA_ARCH=$arch scripts/setup.sh --plan | sed -n 's/^llama-server: //p')
+  [ -n "$flags" ] || fail "setup.sh --plan names no llama-server flags for CUDA sm_$arch"
+  src=$(mktemp -d "${TMPDIR:-/tmp}/packserve-gpu-llama.XXXXXX")
+  say "llama.cpp $version's source (the llama-cpp-python sdist), patched and trimmed"
+  "$py" -m pip download -q --disable-pip-version-check --no-cache-dir --no-deps \
+    --no-binary llama-cpp-python -d "$src" "llama-cpp-python==$version"
+  tar -xzf "$src/llama_cpp_python-$version.tar.gz" -C "$src"
+  local root=$src/llama_cpp_python-$version p
+  for p in scripts/patches/llama-cpp-python-*.patch scripts/patches/llama-server-*.patch; do
+    patch -p1 --forward --fuzz=0 --quiet -d "$root" < "$p"
+  done
+  tar -C "$root/vendor/llama.cpp" -cf - \
+    --exclude='ggml/src/ggml-'{blas,cann,et,hip,metal,musa,rpc,virtgpu,sycl,vulkan,webgpu,zdnn,opencl,hexagon,zendnn,openvino} \
+    --exclude='tools/ui/'{src,static,tests,scripts,'*.json','*.ts','*.js'} \
+    --exclude='tools/server/'{tests,bench} --exclude='*.md' \
+    CMakeLists.txt LICENSE cmake common ggml include src tools vendor \
+    | xz -9 -T0 > "$dir/llama.cpp.tar.xz"
+  rm -rf "$src"
+  mkdir -p "$dir/llama-build"
+  echo "$version" > "$dir/llama-build/version"
+  echo "$flags -G Ninja" > "$dir/llama-build/cmake-flags"
+  (cd scripts/patches && sha256sum llama-cpp-python-*.patch llama-server-*.patch) > "$dir/llama-build/patches.sha256"
+  say "llama.cpp.tar.xz: $(size_of "$dir/llama.cpp.tar.xz") bytes"
+}
+
 prepare() {
   cd "$(dirname "$0")/.."
   local py=$PWD/.venv/bin/python
@@ -104,11 +150,14 @@ prepare() {
   mkdir -p "$dir"
   dir=$(cd "$dir" && pwd)
   rm -rf "$dir/wheels" "$dir/gpu" "$dir/src.tar.xz" "$dir/llama-server.xz" "$dir/lib.tar.xz" \
-    "$dir/report"
+    "$dir/report" "$dir/llama.cpp.tar.xz" "$dir/llama-build"
   mkdir -p "$dir/wheels" "$dir/gpu"
 
-  # llama-server for the card: setup.sh's own build (same flags, patches and cache) with CUDA
   local arch=${PACKSERVE_CUDA_ARCH:-90} overlay server
+  if $no_compile; then
+    llama_tree "$arch"
+  else
+  # llama-server for the card: setup.sh's own build (same flags, patches and cache) with CUDA
   overlay=${PACKSERVE_CUDA_OVERLAY:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/cuda-overlay}
   cuda_overlay "$overlay" "$py"
   say "llama-server for CUDA sm_$arch (scripts/setup.sh --server-only; a first build takes long)"
@@ -125,6 +174,7 @@ prepare() {
   done
   tar -C "$dir/lib.partial" -cJf "$dir/lib.tar.xz" .
   rm -rf "$dir/lib.partial"
+  fi
 
   # the wheels for CPython 3.12 on manylinux x86_64, at requirements.txt's pins
   local reqs=() name pin
@@ -163,7 +213,11 @@ prepare() {
   {
     echo "prepared: $(date -u +%FT%TZ) on $(uname -n) from packserve $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- src tests scripts || echo ' (with changes)')"
     echo "llama-server: CUDA sm_$arch, $(PACKSERVE_DEVICE=cuda PACKSERVE_CUDA_ARCH=$arch scripts/setup.sh --plan 2>/dev/null | sed -n 's/^llama-server: //p')"
-    echo "llama-server sha256 (unpacked): $(sha256sum "$server" | cut -d' ' -f1) (before strip)"
+    if $no_compile; then
+      echo "llama-server: built on the card from llama.cpp.tar.xz (llama.cpp $(cat "$dir/llama-build/version"), patched here)"
+    else
+      echo "llama-server sha256 (unpacked): $(sha256sum "$server" | cut -d' ' -f1) (before strip)"
+    fi
     (cd "$dir" && find . -type f ! -name MANIFEST.txt -printf '%s %p\n' | sort -k2)
   } > "$dir/MANIFEST.txt"
   check_size "$dir" || exit 1
@@ -231,7 +285,11 @@ install_wheels() {
 # machine's is missing or older (ldd's "not found"); torch never sees the shipped libstdc++
 install_llama_server() {
   mkdir -p "$dir/bin" "$dir/llama"
-  "$py" "$dir/gpu/box.py" unxz "$dir/llama-server.xz" "$dir/llama/llama-server"
+  if [ -x "$dir/llama-build/llama-server" ]; then  # built here, a step ago
+    cp "$dir/llama-build/llama-server" "$dir/llama/llama-server"
+  else
+    "$py" "$dir/gpu/box.py" unxz "$dir/llama-server.xz" "$dir/llama/llama-server"
+  fi
   chmod +x "$dir/llama/llama-server"
   local libs
   libs=$("$venv/bin/python" "$dir/gpu/box.py" cuda-libs)
@@ -255,8 +313,78 @@ install_llama_server() {
   "$dir/bin/llama-server" --list-devices
 }
 
+# --- building llama-server on the card, from a folder --prepare --no-compile made ---------------
+# First what the build needs there (seconds): nvcc and a host g++ it accepts (a kernel built and
+# run on the card), CMake and ninja, cuBLAS's headers and an unversioned libcuda.so for the link;
+# where the toolkit lacks the last two, torch's nvidia-cublas wheel and the driver's libcuda.so.1
+# stand in, through CPATH and CMAKE_LIBRARY_PATH (an overlay, as --prepare's own).
+cuda_home=${PACKSERVE_CUDA_HOME:-/usr/local/cuda}
+build_probe() {
+  local b=$dir/llama-build overlay=$dir/llama-build/overlay nvcc h l d
+  nvcc=$(command -v nvcc || echo "$cuda_home/bin/nvcc")
+  "$nvcc" --version | tail -2
+  cmake --version | head -1
+  echo "ninja $(ninja --version)"
+  g++ --version | head -1
+  echo "cores: $(nproc)"
+  printf '__global__ void k() {}\nint main() { k<<<1, 1>>>(); return cudaDeviceSynchronize(); }\n' >"$b/probe.cu"
+  "$nvcc" -arch="sm_${PACKSERVE_CUDA_ARCH:-90}" -o "$b/probe" "$b/probe.cu"
+  "$b/probe"
+  echo "a kernel built by nvcc with $(g++ -dumpfullversion) ran on the card"
+  mkdir -p "$overlay/include" "$overlay/lib"
+  if [ ! -f "$cuda_home/include/cublas_v2.h" ]; then
+    h=$("$py" "$dir/gpu/box.py" find cublas_v2.h) || { echo "no cublas_v2.h anywhere"; return 1; }
+    ln -sf "$(dirname "$h")"/*.h "$overlay/include/"
+    echo "cuBLAS headers: $(dirname "$h")"
+  fi
+  if [ ! -e "$cuda_home/lib64/libcublas.so" ]; then
+    for l in libcublas libcublasLt; do
+      d=$("$py" "$dir/gpu/box.py" find "$l.so.13") || { echo "no $l.so.13 anywhere"; return 1; }
+      ln -sf "$d" "$overlay/lib/$l.so"
+    done
+  fi
+  if [ ! -e "$cuda_home/lib64/stubs/libcuda.so" ] && [ ! -e "$cuda_home/lib64/libcuda.so" ]; then
+    d=$(ldconfig -p | sed -n 's/.*libcuda\.so\.1 .*=> //p' | head -1)
+    [ -n "$d" ] || { echo "no libcuda.so.1 (the driver's) for the link"; return 1; }
+    ln -sf "$d" "$overlay/lib/libcuda.so"
+  fi
+  ls -l "$overlay/lib"
+}
+
+build_here() {
+  local seconds=$1 b=$dir/llama-build overlay=$dir/llama-build/overlay nvcc t0=$SECONDS
+  nvcc=$(command -v nvcc || echo "$cuda_home/bin/nvcc")
+  export CPATH="$overlay/include${CPATH:+:$CPATH}"
+  export CMAKE_LIBRARY_PATH="$overlay/lib${CMAKE_LIBRARY_PATH:+:$CMAKE_LIBRARY_PATH}"
+  export LIBRARY_PATH="$overlay/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  rm -rf "$b/src" "$b/build" && mkdir -p "$b/src"
+  "$py" "$dir/gpu/box.py" untar "$dir/llama.cpp.tar.xz" "$b/src"
+  # shellcheck disable=SC2046  # the flags are words
+  cmake -S "$b/src" -B "$b/build" $(cat "$b/cmake-flags") -DCMAKE_CUDA_COMPILER="$nvcc"
+  echo "configured in $((SECONDS - t0)) s; building, at most $((seconds - (SECONDS - t0))) s"
+  timeout -k 10 $((seconds - (SECONDS - t0))) \
+    cmake --build "$b/build" --target llama-server -j "$(nproc)"
+  echo "built in $((SECONDS - t0)) s"
+  strip -o "$b/llama-server" "$b/build/bin/llama-server" || cp "$b/build/bin/llama-server" "$b/llama-server"
+}
+
+# the binary back through $OUT, xz-compressed in parts under 16 MiB: a second call carries them
+# (cat llama-server.xz.part* > DIR/llama-server.xz) instead of building again
+ship_binary() {
+  local b=$dir/llama-build
+  if command -v xz >/dev/null; then
+    xz -6 -T0 -c "$b/llama-server" >"$dir/llama-server.xz"
+  else
+    "$py" "$dir/gpu/box.py" xz "$b/llama-server" "$dir/llama-server.xz"
+  fi
+  split -b 15M -d -a 1 "$dir/llama-server.xz" "$report/llama-server.xz.part"
+  ls -l "$report"/llama-server.xz.part*
+  sha256sum "$b/llama-server" "$dir/llama-server.xz"
+}
+
 prepared() {
-  [ -f "$dir/llama-server.xz" ] && [ -d "$dir/wheels" ] || fail "$dir is not a prepared folder"
+  { [ -f "$dir/llama-server.xz" ] || [ -f "$dir/llama.cpp.tar.xz" ]; } && [ -d "$dir/wheels" ] \
+    || fail "$dir is not a prepared folder"
   dir=$(cd "$dir" && pwd)
   # the budget: everything, report included, inside one device command (600 s at most)
   t_start=$SECONDS
@@ -275,6 +403,16 @@ prepared() {
     PYTHONUNBUFFERED=1
   env_step venv make_venv
   env_step wheels install_wheels
+  if [ ! -f "$dir/llama-server.xz" ]; then
+    # the check keeps its minimum (PACKSERVE_GPU_CHECK_MIN_SECONDS: the environment, the
+    # rank-0 and rank-1 steps, the cleanup); the build gets the rest, and the check what the
+    # build left
+    local build_s=$((total - (SECONDS - t_start) - ${PACKSERVE_GPU_CHECK_MIN_SECONDS:-200}))
+    [ "$build_s" -ge 120 ] || fail "only $build_s s for the build (PACKSERVE_GPU_CHECK_SECONDS=$total)"
+    env_step build-probe build_probe
+    env_step build build_here "$build_s"
+    env_step ship-binary ship_binary
+  fi
   env_step llama-server install_llama_server
   mkdir -p "$dir/src"
   env_step source "$py" "$dir/gpu/box.py" untar "$dir/src.tar.xz" "$dir/src"
@@ -332,7 +470,8 @@ dry_run() {
   fi
   # 3. the prepared folder's size
   if [ -n "$dir" ]; then
-    if [ -f "$dir/llama-server.xz" ] && [ -d "$dir/wheels" ] && [ -f "$dir/gpu/check.py" ]; then
+    if { [ -f "$dir/llama-server.xz" ] || [ -f "$dir/llama.cpp.tar.xz" ]; } && [ -d "$dir/wheels" ] \
+        && [ -f "$dir/gpu/check.py" ]; then
       check_size "$dir" || failed+=(size)
     else
       say "$dir is not a prepared folder (scripts/gpu-check.sh --prepare $dir)"

@@ -3,6 +3,9 @@
 
     python3 box.py site-dirs              lines for a .pth file: this interpreter's site dirs
     python3 box.py cuda-libs              folders holding libcudart/libcublas(Lt) .so.13
+    python3 box.py find NAME              the first nvidia/**/NAME in the site dirs (cuBLAS's
+                                          headers and libraries, for a build on the card)
+    python3 box.py xz SRC DST             compress to .xz (where the machine has no xz)
     python3 box.py unxz SRC DST           decompress an .xz file
     python3 box.py untar SRC DIR          unpack a .tar.xz
     python3 box.py pack-logs DIR OUT MB   DIR's files, each cut to its last MB, into OUT (.tar.xz)
@@ -89,6 +92,14 @@ def main(argv: list[str]) -> int:
         print("\n".join(f"import site; site.addsitedir({d!r})" for d in site_dirs()))
     elif verb == "cuda-libs":
         print(":".join(cuda_libs()))
+    elif verb == "find":
+        hits = [h for sp in site_dirs() for h in sorted(Path(sp).glob(f"nvidia/**/{rest[0]}"))]
+        if not hits:
+            return 1
+        print(hits[0])
+    elif verb == "xz":
+        with open(rest[0], "rb") as src, lzma.open(rest[1], "wb", preset=6) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
     elif verb == "unxz":
         with lzma.open(rest[0]) as src, open(rest[1], "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
