@@ -421,15 +421,20 @@ prepared() {
   # timeout sends SIGTERM 10 s past it (check.py stops its servers and writes its report) and
   # SIGKILL 10 s after that
   local left=$((total - (SECONDS - t_start) - 20)) rc=0
-  [ "$left" -ge 60 ] || fail "only $left s left for the check (PACKSERVE_GPU_CHECK_SECONDS=$total)"
+  if [ "$left" -lt 30 ]; then
+    echo "check-time FAILED 0" >>"$logs/env-steps.txt"
+    fail "only $left s left for the check (PACKSERVE_GPU_CHECK_SECONDS=$total)"
+  fi
+  say "check.py: $left s (its log: $logs/check.log)"
   # shellcheck disable=SC2086  # PACKSERVE_GPU_CHECK_ARGS: extra words for check.py
   timeout -k 10 $((left + 10)) "$venv/bin/python" "$dir/gpu/check.py" --out "$dir/work" \
     --report "$report" --logs "$logs" --deadline "$left" \
     --llama-server "$dir/bin/llama-server" --packserve "$venv/bin/packserve" \
-    --tests "$dir/src" --device cuda:0 ${PACKSERVE_GPU_CHECK_ARGS:-} &
+    --tests "$dir/src" --device cuda:0 ${PACKSERVE_GPU_CHECK_ARGS:-} >"$logs/check.log" 2>&1 &
   check_pid=$!
   wait "$check_pid" || rc=$?
   check_pid=
+  tail -n 60 "$logs/check.log" >&2
   return "$rc"
 }
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "scripts" / "gpu"
 CPU_SERVER = Path(sys.prefix) / "bin" / "llama-server"
 
-NVML_STANDIN = '''"""NVML's stand-in for the rehearsal: one card of 80 GiB, 1 GiB used, no process list."""
+NVML_STANDIN = '''"""NVML's stand-in for the rehearsal: one card of 80 GiB, 1 GiB used."""
 class NVMLError(Exception):
     pass
 class _Memory:
@@ -226,7 +226,7 @@ def step(name: str, needs: float, rank: int) -> object:
     (30.0, 0, [], 30.0),  # what is left, under its cap
     (4.0, 0, [], None),  # less than it needs
     (60.0, 3, [(40.0, 0)], 20.0),  # keeps a later, more important step's 40 s
-    (50.0, 3, [(40.0, 0)], None),  # skipped: it would eat into them
+    (44.0, 3, [(40.0, 0)], None),  # skipped: it would eat into them
     (50.0, 3, [(40.0, 3), (40.0, 4)], 50.0),  # equal or lower ranks keep nothing
     (50.0, 0, [(40.0, 0)], 50.0),  # rank 0 goes first, whatever follows
 ])

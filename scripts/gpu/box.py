@@ -71,11 +71,13 @@ def env_report(folder: Path, steps_file: Path) -> None:
     steps: dict[str, dict[str, object]] = {}
     lines = steps_file.read_text("utf-8").splitlines() if steps_file.exists() else []
     for line in lines:
-        name, verdict, seconds = (line.split() + ["", ""])[:3]
+        name, verdict, seconds = [*line.split(), "", ""][:3]
         steps[f"box:{name}"] = {"ok": verdict == "ok", "seconds": float(seconds or 0),
                                 **({} if verdict == "ok" else {"error": "see its log in "
                                                                "logs.tar.xz"})}
-    failed = [n for n, s in steps.items() if not s["ok"]] or ["box: stopped before check.py"]
+    # check.py writes its report from its first step on: none means it never ran or died at once
+    failed = [n for n, s in steps.items() if not s["ok"]] or ["box: check.py wrote no report "
+                                                             "(check.log in logs.tar.xz)"]
     body = {"check": "packserve prepared GPU check (scripts/gpu-check.sh)",
             "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "steps": steps, "failed": failed}

@@ -203,10 +203,8 @@ def stop(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
