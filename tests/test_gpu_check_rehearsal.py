@@ -8,6 +8,7 @@ to its report in $OUT, inside the seconds it was given; and the budget's skip or
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import importlib
 import io
@@ -15,6 +16,7 @@ import json
 import lzma
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -197,6 +199,40 @@ def test_prepared_runs_to_its_report_in_out_from_a_venv_nested_in_a_venv(tmp_pat
             "packserve-serve.log", "llama-server-direct.log"} <= names
     assert "footprint:llama" in (out / "report.txt").read_text("utf-8")
     assert ours_running(str(folder)) == []  # no server or runner outlives the check
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the suite's python is no venv")
+@pytest.mark.skipif(not CPU_SERVER.exists(), reason=f"no llama-server at {CPU_SERVER}")
+def test_sigterm_ends_the_servers_and_still_leaves_the_report(tmp_path: Path) -> None:
+    """SIGTERM to gpu-check.sh while packserve serves (a runner loaded): check.py stops its
+    servers and their runners, writes its report saying so, and the logs are packed."""
+    folder = prepared_folder(tmp_path / "prepared")
+    env = stand_ins(tmp_path / "standins")
+    out = tmp_path / "out"
+    env.update({"OUT": str(out), "PACKSERVE_GPU_CHECK_SECONDS": "75",
+                "PACKSERVE_GPU_CHECK_ARGS": "--llama-shape tiny --only environment,model:llama,"
+                "serve,footprint:llama,chats_packserve,stop_server"})
+    proc = subprocess.Popen(["bash", str(folder / "gpu-check.sh"), "--prepared", str(folder)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        loaded = False
+        while not loaded and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            with contextlib.suppress(OSError, ValueError):
+                steps = json.loads((out / "report.json").read_text("utf-8"))["steps"]
+                loaded = bool((steps.get("footprint:llama") or {}).get("ok"))
+        assert loaded, proc.stderr.read().decode() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    report = json.loads((out / "report.json").read_text("utf-8"))
+    assert report["stopped"].startswith("by SIGTERM")
+    assert (out / "report.txt").exists() and (out / "logs.tar.xz").exists()
+    assert ours_running(str(folder)) == []  # packserve, its worker and the runner are gone
 
 
 def test_a_failed_environment_step_is_fatal_and_still_leaves_a_report(tmp_path: Path) -> None:
