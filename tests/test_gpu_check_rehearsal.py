@@ -235,6 +235,70 @@ def test_sigterm_ends_the_servers_and_still_leaves_the_report(tmp_path: Path) ->
     assert ours_running(str(folder)) == []  # packserve, its worker and the runner are gone
 
 
+NVCC_STANDIN = '''#!/bin/sh
+case "$1" in --version) echo "Cuda compilation tools, release 13.0 (stand-in)"; exit 0 ;; esac
+while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
+printf '#!/bin/sh\\nexit 0\\n' > "$out" && chmod +x "$out"
+'''
+
+# configure records its arguments; --build "builds" the stand-in llama-server
+CMAKE_STANDIN = '''#!/bin/sh
+case "$1" in
+  --version) echo "cmake version 3.28 (stand-in)" ;;
+  --build) mkdir -p "$2/bin" && cp {server} "$2/bin/llama-server" && echo "[2/2] llama-server" ;;
+  *) while [ $# -gt 0 ]; do [ "$1" = -B ] && mkdir -p "$2" && b=$2; shift; done
+     echo "$CPATH $CMAKE_LIBRARY_PATH" > "$b/configured" ;;
+esac
+'''
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the suite's python is no venv")
+@pytest.mark.skipif(not CPU_SERVER.exists(), reason=f"no llama-server at {CPU_SERVER}")
+def test_a_no_compile_folder_is_built_on_the_card_and_its_binary_comes_back_in_parts(
+        tmp_path: Path) -> None:
+    """The build path's plumbing, with stand-ins for nvcc and CMake (the compile itself needs
+    a card's machine): the probe, the build under its time, the binary in parts under $OUT,
+    installed from the build; the environment's steps in the report."""
+    folder = prepared_folder(tmp_path / "prepared")
+    server = folder / "llama-server.xz"
+    standin = lzma.decompress(server.read_bytes())
+    server.unlink()
+    (folder / "llama-build").mkdir()
+    (folder / "llama-build" / "cmake-flags").write_text("-DGGML_CUDA=ON -G Ninja\n", "utf-8")
+    with tarfile.open(folder / "llama.cpp.tar.xz", "w:xz") as tar:
+        info = tarfile.TarInfo("CMakeLists.txt")
+        tar.addfile(info, io.BytesIO(b""))
+    env = stand_ins(tmp_path / "standins")
+    bin_dir = tmp_path / "standins" / "bin"
+    (tmp_path / "server").write_bytes(standin)
+    for name, text in (("nvcc", NVCC_STANDIN),
+                       ("cmake", CMAKE_STANDIN.format(server=tmp_path / "server"))):
+        (bin_dir / name).write_text(text, "utf-8")
+        (bin_dir / name).chmod(0o755)
+    cuda = tmp_path / "cuda"  # a toolkit with cuBLAS and the libcuda stub: no overlay needed
+    for part in ("include/cublas_v2.h", "lib64/libcublas.so", "lib64/stubs/libcuda.so"):
+        (cuda / part).parent.mkdir(parents=True, exist_ok=True)
+        (cuda / part).write_bytes(b"")
+    out = tmp_path / "out"
+    env.update({"OUT": str(out), "PACKSERVE_CUDA_HOME": str(cuda),
+                "PACKSERVE_GPU_CHECK_SECONDS": "200", "PACKSERVE_GPU_CHECK_MIN_SECONDS": "40",
+                "PACKSERVE_GPU_CHECK_ARGS": "--llama-shape tiny --only environment"})
+    run = subprocess.run(["bash", str(folder / "gpu-check.sh"), "--prepared", str(folder)],
+                         env=env, capture_output=True, text=True, timeout=90, check=False)
+    report = json.loads((out / "report.json").read_text("utf-8"))
+    assert report["steps"]["environment"]["ok"], run.stderr
+    assert run.returncode == 1  # the steps not selected count as failed on a card
+    box = report["box_steps"]
+    assert [n for n, s in box.items() if s["ok"]] == [
+        "box:venv", "box:wheels", "box:build-probe", "box:build", "box:ship-binary",
+        "box:llama-server", "box:source"]
+    parts = sorted(out.glob("llama-server.xz.part*"))
+    assert [p.name for p in parts] == ["llama-server.xz.part0"]
+    assert lzma.decompress(b"".join(p.read_bytes() for p in parts)) == standin
+    assert (folder / "llama-build" / "build" / "configured").exists()
+    assert "box:build" in (out / "report.txt").read_text("utf-8")
+
+
 def test_a_failed_environment_step_is_fatal_and_still_leaves_a_report(tmp_path: Path) -> None:
     folder = prepared_folder(tmp_path / "prepared")
     (folder / "wheels" / "requirements.txt").write_text("no-such-package==1.0\n", "utf-8")

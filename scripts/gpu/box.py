@@ -9,8 +9,8 @@
     python3 box.py unxz SRC DST           decompress an .xz file
     python3 box.py untar SRC DIR          unpack a .tar.xz
     python3 box.py pack-logs DIR OUT MB   DIR's files, each cut to its last MB, into OUT (.tar.xz)
-    python3 box.py env-report DIR STEPS   DIR/report.json and report.txt when check.py wrote none:
-                                          the environment steps (STEPS, "name ok|FAILED seconds")
+    python3 box.py env-report DIR STEPS   the environment steps (STEPS, "name ok|FAILED seconds")
+                                          into DIR/report.json and report.txt, or those alone
 """
 
 from __future__ import annotations
@@ -64,10 +64,9 @@ def pack_logs(folder: Path, out: Path, mib: float) -> None:
 
 
 def env_report(folder: Path, steps_file: Path) -> None:
-    """A report for a run that stopped before check.py wrote one: the environment steps, the
-    failed one last."""
-    if (folder / "report.json").exists():
-        return
+    """The environment steps (STEPS: "name ok|FAILED seconds" lines) into the report: added to
+    check.py's as `box_steps`, or, for a run that stopped before check.py wrote one, a report
+    of them alone, the failed one last."""
     steps: dict[str, dict[str, object]] = {}
     lines = steps_file.read_text("utf-8").splitlines() if steps_file.exists() else []
     for line in lines:
@@ -75,16 +74,24 @@ def env_report(folder: Path, steps_file: Path) -> None:
         steps[f"box:{name}"] = {"ok": verdict == "ok", "seconds": float(seconds or 0),
                                 **({} if verdict == "ok" else {"error": "see its log in "
                                                                "logs.tar.xz"})}
+    rows = [f"{n:<24} {'yes' if s['ok'] else 'NO':<5} {s['seconds']:>8}"
+            for n, s in steps.items()]
+    report = folder / "report.json"
+    if report.exists():
+        body = json.loads(report.read_text("utf-8"))
+        body["box_steps"] = steps
+        report.write_text(json.dumps(body, indent=2) + "\n", "utf-8")
+        with (folder / "report.txt").open("a", encoding="utf-8") as txt:
+            txt.write("\nthe environment's steps (gpu-check.sh)\n" + "\n".join(rows) + "\n")
+        return
     # check.py writes its report from its first step on: none means it never ran or died at once
     failed = [n for n, s in steps.items() if not s["ok"]] or ["box: check.py wrote no report "
                                                              "(check.log in logs.tar.xz)"]
     body = {"check": "packserve prepared GPU check (scripts/gpu-check.sh)",
             "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "steps": steps, "failed": failed}
-    (folder / "report.json").write_text(json.dumps(body, indent=2) + "\n", "utf-8")
-    text = ["packserve prepared GPU check: stopped before the steps on the card", ""]
-    text += [f"{n:<28} {'yes' if s['ok'] else 'NO':<5} {s['seconds']:>8}"
-             for n, s in steps.items()]
+    report.write_text(json.dumps(body, indent=2) + "\n", "utf-8")
+    text = ["packserve prepared GPU check: stopped before the steps on the card", "", *rows]
     (folder / "report.txt").write_text("\n".join(text) + "\n", "utf-8")
 
 
