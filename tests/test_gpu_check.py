@@ -67,14 +67,26 @@ def test_the_tiny_gguf_answers_a_chat_in_the_cpu_llama_server(tiny_gguf: Path) -
 def test_a_one_layer_gguf_of_llama_3_2_1b_width_answers_in_the_cpu_llama_server(
         tmp_path: Path) -> None:
     """The check's 1B-class writer (Q8_0, the real vocabulary and width, tied output) with one
-    block instead of 16: llama.cpp reads every tensor of it and answers."""
+    block instead of 16: llama.cpp reads every tensor of it, and a stream as the check reads
+    one carries text (a random model samples the padded vocabulary: its pieces must render)."""
     tiny_models = module("tiny_models")
+    check = module("check")
     shape = dataclasses.replace(tiny_models.LLAMA_3_2_1B, n_layer=1)
     path = tiny_models.write_llama_gguf(tmp_path / "one-layer.gguf", shape, "q8_0")
     # 128256 x 2048 embeddings and one block, in Q8_0 (34 bytes per 32 values)
     assert path.stat().st_size > shape.params() * 34 // 32
-    got = module("load_check").gguf_answers(path, CPU_SERVER)
-    assert got["completion_tokens"] == 8
+    port = check.free_port()
+    proc = subprocess.Popen([CPU_SERVER, "--model", str(path), "--host", "127.0.0.1", "--port",
+                             str(port), "--device", "none", "--ctx-size", "512", "--jinja",
+                             "--no-webui", "--offline", "--threads", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        check.wait_healthy(port, proc, 60, "/health")
+        got = check.stream_chat(port, None, max_tokens=8)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert got["tokens"] == 8 and got["first_token_s"] > 0
 
 
 def test_the_1b_shape_is_llama_3_2_1b() -> None:

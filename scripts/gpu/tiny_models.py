@@ -41,9 +41,9 @@ WORDS = tuple(_WORD_TEXT.split())
 class LlamaShape:
     """A llama GGUF's architecture. The default is about 13M parameters (26 MB in f16);
     `LLAMA_3_2_1B` is Llama-3.2-1B's. `vocab` None is the SentencePiece vocabulary's own size
-    (about 450 pieces); a larger one is padded with unused pieces, so the embedding and the
-    output matrix have the real model's rows. `tied` leaves output.weight out (llama.cpp then
-    multiplies by token_embd, as Llama 3.2 does)."""
+    (about 450 pieces); a larger one is padded with pieces of their own text, so the embedding
+    and the output matrix have the real model's rows. `tied` leaves output.weight out
+    (llama.cpp then multiplies by token_embd, as Llama 3.2 does)."""
 
     n_embd: int = 512
     n_layer: int = 4
@@ -130,10 +130,13 @@ def write_llama_gguf(path: Path, shape: LlamaShape = LlamaShape(), quant: str = 
     if shape.vocab is not None:
         if shape.vocab < len(tokens):
             raise ValueError(f"vocab {shape.vocab} is below the {len(tokens)} pieces needed")
+        # normal pieces that render as text: a random model samples from the whole vocabulary,
+        # and unused or control pieces would stream as empty text; scored below every other
+        # piece, so the tokenizer reaches for them only for their own text
         pad = shape.vocab - len(tokens)
-        tokens += [f"<unused{i}>" for i in range(pad)]
+        tokens += [f"▁t{i}" for i in range(pad)]
         scores += [-1000.0] * pad
-        types += [5] * pad  # UNUSED: never produced by the tokenizer
+        types += [1] * pad
     n_vocab = len(tokens)
     head_dim = shape.n_embd // shape.n_head
     kv = shape.n_head_kv * head_dim
