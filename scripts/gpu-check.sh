@@ -133,7 +133,7 @@ llama_tree() {
     --exclude='ggml/src/ggml-'{blas,cann,et,hip,metal,musa,rpc,virtgpu,sycl,vulkan,webgpu,zdnn,opencl,hexagon,zendnn,openvino} \
     --exclude='tools/ui/'{src,static,tests,scripts,'*.json','*.ts','*.js'} \
     --exclude='tools/server/'{tests,bench} --exclude='*.md' \
-    CMakeLists.txt LICENSE cmake common ggml include src tools vendor \
+    CMakeLists.txt LICENSE cmake common ggml include src tools vendor scripts/ui-assets.cmake \
     | xz -9 -T0 > "$dir/llama.cpp.tar.xz"
   rm -rf "$src"
   mkdir -p "$dir/llama-build"
