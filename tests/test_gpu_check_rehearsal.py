@@ -77,34 +77,42 @@ def module(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def wheel(folder: Path, name: str, version: str, files: dict[str, bytes],
+          meta: str = "", entry_points: str = "") -> Path:
+    """A pure-Python wheel by hand: a zip of `files` with its METADATA (plus `meta` lines),
+    WHEEL, entry points and RECORD."""
+    dist = f"{name}-{version}"
+    files = {**files,
+             f"{dist}.dist-info/METADATA": (f"Metadata-Version: 2.1\nName: {name}\n"
+                                            f"Version: {version}\n{meta}").encode(),
+             f"{dist}.dist-info/WHEEL": (b"Wheel-Version: 1.0\nGenerator: rehearsal\n"
+                                         b"Root-Is-Purelib: true\nTag: py3-none-any\n")}
+    if entry_points:
+        files[f"{dist}.dist-info/entry_points.txt"] = entry_points.encode()
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}.dist-info/RECORD,,")
+    files[f"{dist}.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
+    out = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return out
+
+
 def packserve_wheel(folder: Path) -> Path:
-    """packserve's wheel from src/, by hand (a pure-Python wheel is a zip with a RECORD): the
-    rehearsal is about the GPU machine, and setuptools' build belongs to --prepare."""
+    """packserve's wheel from src/: the rehearsal is about the GPU machine, and setuptools'
+    build belongs to --prepare."""
     version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text("utf-8"),
                         re.M)
     assert version
-    dist = f"packserve-{version[1]}"
-    files: dict[str, bytes] = {}
-    for path in sorted((ROOT / "src" / "packserve").rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
-            files[str(path.relative_to(ROOT / "src"))] = path.read_bytes()
-    files[f"{dist}.dist-info/METADATA"] = (f"Metadata-Version: 2.1\nName: packserve\n"
-                                           f"Version: {version[1]}\n").encode()
-    files[f"{dist}.dist-info/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: rehearsal\n"
-                                        b"Root-Is-Purelib: true\nTag: py3-none-any\n")
-    files[f"{dist}.dist-info/entry_points.txt"] = (b"[console_scripts]\n"
-                                                   b"packserve = packserve.cli:main\n")
-    record = []
-    for name, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{name},sha256={digest},{len(data)}")
-    record.append(f"{dist}.dist-info/RECORD,,")
-    files[f"{dist}.dist-info/RECORD"] = ("\n".join(record) + "\n").encode()
-    wheel = folder / f"{dist}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
-    return wheel
+    files = {str(path.relative_to(ROOT / "src")): path.read_bytes()
+             for path in sorted((ROOT / "src" / "packserve").rglob("*"))
+             if path.is_file() and "__pycache__" not in path.parts}
+    return wheel(folder, "packserve", version[1], files,
+                 entry_points="[console_scripts]\npackserve = packserve.cli:main\n")
 
 
 def prepared_folder(folder: Path) -> Path:
@@ -121,6 +129,11 @@ def prepared_folder(folder: Path) -> Path:
     reqs = (ROOT / "requirements.txt").read_text("utf-8").splitlines()
     pins = [line for name in ship[1].split() for line in reqs
             if line.lower().startswith(f"{name.lower()}==")]
+    # and one the parent lacks, needing numpy as gguf does: numpy is never shipped, and a venv
+    # made --system-site-packages from the parent venv would not see the parent's
+    wheel(folder / "wheels", "rehearsal_dep", "1.0",
+          {"rehearsal_dep.py": b"import numpy\n"}, meta="Requires-Dist: numpy>=1.17\n")
+    pins.append("rehearsal-dep==1.0")
     (folder / "wheels" / "requirements.txt").write_text("\n".join(pins) + "\n", "utf-8")
     packserve_wheel(folder / "wheels")
     (folder / "llama-server.xz").write_bytes(
@@ -198,6 +211,11 @@ def test_prepared_runs_to_its_report_in_out_from_a_venv_nested_in_a_venv(tmp_pat
     assert {"env-steps.txt", "venv.log", "wheels.log", "llama-server.log",
             "packserve-serve.log", "llama-server-direct.log"} <= names
     assert "footprint:llama" in (out / "report.txt").read_text("utf-8")
+    with tarfile.open(out / "logs.tar.xz") as tar:
+        log = tar.extractfile("wheels.log")
+        assert log is not None
+        # installed from the shipped wheels, its numpy the parent's
+        assert b"Successfully installed rehearsal_dep-1.0" in log.read().replace(b"-dep", b"_dep")
     assert ours_running(str(folder)) == []  # no server or runner outlives the check
 
 
