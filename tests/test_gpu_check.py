@@ -9,6 +9,7 @@ CUDA build (`PACKSERVE_LLAMA_SERVER`, which `--prepared` sets) and is skipped he
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -62,13 +63,75 @@ def test_the_tiny_gguf_answers_a_chat_in_the_cpu_llama_server(tiny_gguf: Path) -
     assert int(got["prompt_tokens"]) > 5  # the ChatML template, tokenised
 
 
+@pytest.mark.skipif(not Path(CPU_SERVER).exists(), reason=f"no llama-server at {CPU_SERVER}")
+def test_a_one_layer_gguf_of_llama_3_2_1b_width_answers_in_the_cpu_llama_server(
+        tmp_path: Path) -> None:
+    """The check's 1B-class writer (Q8_0, the real vocabulary and width, tied output) with one
+    block instead of 16: llama.cpp reads every tensor of it, and a stream as the check reads
+    one carries text (a random model samples the padded vocabulary: its pieces must render)."""
+    tiny_models = module("tiny_models")
+    check = module("check")
+    shape = dataclasses.replace(tiny_models.LLAMA_3_2_1B, n_layer=1)
+    path = tiny_models.write_llama_gguf(tmp_path / "one-layer.gguf", shape, "q8_0")
+    # 128256 x 2048 embeddings and one block, in Q8_0 (34 bytes per 32 values)
+    assert path.stat().st_size > shape.params() * 34 // 32
+    port = check.free_port()
+    proc = subprocess.Popen([CPU_SERVER, "--model", str(path), "--host", "127.0.0.1", "--port",
+                             str(port), "--device", "none", "--ctx-size", "512", "--jinja",
+                             "--no-webui", "--offline", "--threads", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        check.wait_healthy(port, proc, 60, "/health")
+        got = check.stream_chat(port, None, max_tokens=8)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert got["tokens"] == 8 and got["first_token_s"] > 0
+
+
+def test_the_1b_shape_is_llama_3_2_1b() -> None:
+    shape = module("tiny_models").LLAMA_3_2_1B
+    assert (shape.n_layer, shape.n_embd, shape.n_ff, shape.n_head, shape.n_head_kv,
+            shape.vocab, shape.tied) == (16, 2048, 8192, 32, 8, 128256, True)
+    assert 1.23e9 < shape.params() < 1.24e9  # Llama-3.2-1B: 1.236 B
+
+
+def test_llama_buffers_reads_the_cards_lines_of_a_llama_cpp_log() -> None:
+    log = """load_tensors:        CUDA0 model buffer size =  1252.41 MiB
+load_tensors:   CPU_Mapped model buffer size =   250.00 MiB
+llama_kv_cache:      CUDA0 KV buffer size =    64.00 MiB
+llama_context:  CUDA_Host  output buffer size =     1.96 MiB
+llama_context:      CUDA0 compute buffer size =   258.50 MiB
+"""
+    got = module("check").llama_buffers(log)
+    assert got == {"model": int(1252.41 * (1 << 20)), "KV": 64 << 20,
+                   "compute": int(258.5 * (1 << 20))}
+
+
+def test_the_router_gets_the_runners_options_less_where_it_listens() -> None:
+    check = module("check")
+    argv = ["/x/llama-server", "--model", "/m.gguf", "--host", "/tmp/packserve-runner-1/s",
+            "--parallel", "4", "--threads", "2", "--alias", "llama", "--no-webui", "--fit",
+            "off", "--log-verbosity", "2", "--device", "CUDA0", "--n-gpu-layers", "all",
+            "--ctx-size", "2048", "--jinja", "--cache-ram", "0", "--kv-unified"]
+    args = check.runner_args(argv)
+    assert "--host" not in args and "--log-verbosity" not in args and args[:2] == [
+        "--model", "/m.gguf"]
+    assert check.preset_keys(args) == {
+        "parallel": "4", "threads": "2", "fit": "off", "device": "CUDA0",
+        "n-gpu-layers": "all", "ctx-size": "2048", "jinja": "true", "cache-ram": "0",
+        "kv-unified": "true"}
+
+
 def test_dry_run_runs_what_needs_no_card_then_fails_for_the_driver(tmp_path: Path) -> None:
     prepared = tmp_path / "prepared"
     (prepared / "wheels").mkdir(parents=True)
     (prepared / "gpu").mkdir()
     (prepared / "gpu" / "check.py").write_text("")
     (prepared / "llama-server.xz").write_bytes(b"\0" * 1000)
-    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # no nvidia-smi
+    env = {**os.environ, "PATH": "/usr/bin:/bin",  # no nvidia-smi
+           # the suite's own interpreter and server: the checkout may be a worktree without .venv
+           "PACKSERVE_GPU_CHECK_PYTHON": sys.executable, "PACKSERVE_LLAMA_SERVER": CPU_SERVER}
     run = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run", str(prepared)], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 1, run.stderr
@@ -80,6 +143,33 @@ def test_dry_run_runs_what_needs_no_card_then_fails_for_the_driver(tmp_path: Pat
     assert loads["bert"]["dimensions"] == 384
     if not (ROOT / "tests" / "core" / "test_fake_cuda.py").exists():
         assert "fake-CUDA tests: skipped" in run.stderr
+
+
+@pytest.mark.skipif(not Path(CPU_SERVER).exists(), reason=f"no llama-server at {CPU_SERVER}")
+def test_dry_run_after_a_serve_only_setup_names_what_it_skips(tmp_path: Path) -> None:
+    """README's serve command alone installs neither pytest nor sentence-transformers: here a
+    sitecustomize hides them, and the dry run says which steps it skipped for want of them."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pytest', 'sentence_transformers'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n", "utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKSERVE_")}
+    env.update({"PATH": "/usr/bin:/bin", "PYTHONPATH": str(hide),
+                "PACKSERVE_GPU_CHECK_PYTHON": sys.executable,
+                "PACKSERVE_LLAMA_SERVER": CPU_SERVER})
+    run = subprocess.run(["bash", "scripts/gpu-check.sh", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 1, run.stderr
+    assert ("skipped for want of the dev install (scripts/setup.sh --dev): fake-CUDA tests "
+            "(no pytest); the BERT (no sentence-transformers)") in run.stderr
+    assert "dry run passed" in run.stderr and "no NVIDIA driver was found" in run.stderr
+    loads = json.loads(next(line for line in run.stderr.splitlines() if line.startswith("{")))
+    assert loads["gguf"]["completion_tokens"] == 8 and "bert" not in loads
 
 
 def test_the_size_check_fails_a_folder_over_64_mib(tmp_path: Path) -> None:
