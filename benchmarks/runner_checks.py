@@ -132,7 +132,8 @@ def start() -> None:
     import statistics
     import subprocess
 
-    from packserve.backends.llama_server import _UnixHTTP, binary
+    from packserve.backends.llama_server import binary
+    from packserve.backends.runner import UnixHTTP
 
     folder = Path(tempfile.mkdtemp())
     for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
@@ -152,7 +153,7 @@ def start() -> None:
                     stderr=subprocess.DEVNULL)
                 while True:
                     with contextlib.suppress(OSError):
-                        conn = _UnixHTTP(str(sock), timeout=5)
+                        conn = UnixHTTP(str(sock), timeout=5)
                         conn.request("GET", "/health")
                         if conn.getresponse().status == 200:
                             break
@@ -200,7 +201,7 @@ def warm() -> None:
     (spawn to serving, as a cold load does); the median of three each."""
     import statistics
 
-    from packserve.backends.llama_server import _RunnerProcess
+    from packserve.backends.llama_server import RunnerBackend
 
     folder = Path(tempfile.mkdtemp())
     for name in ("all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"):
@@ -210,7 +211,7 @@ def warm() -> None:
         for _ in range(3):
             backend = engine.build(engine.load_spec(path, "cpu", spec.context_length or 2048,
                                                     64, {}))
-            assert isinstance(backend, _RunnerProcess)
+            assert isinstance(backend, RunnerBackend)
             t0 = time.perf_counter()
             backend.load()
             starts.append(time.perf_counter() - t0)

@@ -57,6 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ps.add_argument("--api-key", help="an admin key, when the server has keys (or "
                     "PACKSERVE_API_KEY)")
 
+    logs = sub.add_parser("logs", help="print the last lines of a model's engine log (its "
+                          "runner's, kept after it dies) and its last crash, from a running "
+                          "server")
+    logs.add_argument("model", help="the catalog name")
+    logs.add_argument("-n", "--lines", type=int, default=50, help="how many lines (default 50)")
+    logs.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+    logs.add_argument("--api-key", help="an admin key, when the server has keys (or "
+                      "PACKSERVE_API_KEY)")
+
     pull = sub.add_parser("pull", help="download a Hub model (an hf: source) ahead of its "
                           "first load, with a progress bar")
     pull.add_argument("name", help="a model of the config, or an hf: source")
@@ -121,7 +130,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _pool(args)
     if args.command == "pull":
         return _pull(args)
+    if args.command == "logs":
+        return _logs(args)
     return _ps(args)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    import os
+    import urllib.parse
+
+    import httpx
+
+    base = args.url.rstrip("/")
+    key = args.api_key or os.environ.get("PACKSERVE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.get(f"{base}/v1/residency/{urllib.parse.quote(args.model)}/log",
+                             params={"lines": args.lines}, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"packserve logs: cannot read {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if response.status_code != 200:
+        message = response.json().get("error", {}).get("message", response.text) \
+            if response.headers.get("content-type", "").startswith("application/json") \
+            else response.text
+        print(f"packserve logs: {response.status_code}: {message}", file=sys.stderr)
+        return 1
+    data = response.json()
+    crash = data.get("last_crash")
+    if crash is not None:
+        print(f"# last crash: {crash['cause']} (pid {crash['pid']}): {crash['verdict']}")
+    if data.get("log") is None:
+        print(f"# {args.model} ({data['state']}) has no engine log: it runs in the worker, "
+              f"or has not been loaded since the server started")
+        return 0
+    print(f"# {data['log']}")
+    for line in data["lines"]:
+        print(line)
+    return 0
 
 
 def _pull(args: argparse.Namespace) -> int:

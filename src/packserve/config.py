@@ -108,8 +108,10 @@ class ServerConfig(_Strict):
     metrics_window_s: float = Field(default=300.0, gt=0)
     # SIGTERM: requests in flight get this long to finish (under Kubernetes' 30 s grace period).
     drain_s: float = Field(default=25.0, ge=0, le=3600)
-    # A model whose engine is charged with two crashes this close together stays failed until
-    # an operator loads it again.
+    # The crash rule of every engine process (the worker's, each runner's; core.crashes): a
+    # death within this long of the one before is loaded again after a back-off, the third
+    # quarantines the model (503) until this long has passed or an operator loads it.
+    # failure_cooldown_s is for loads that fail, this for processes that die.
     crash_window_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
     # API keys (packserve.auth): a TOML file of key digests, relative to this file. "": no keys,
     # every route open, and the server refuses any address but localhost unless open_to_anyone.

@@ -6,6 +6,8 @@ Its own module so that the worker, which only needs this, does not import the CL
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 
 def configure_logging(level: str) -> None:
@@ -20,3 +22,17 @@ def configure_logging(level: str) -> None:
     events.propagate = False
     # httpx logs every request at INFO: the front's to its worker, a pool replica's to its node.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def tail(path: Path, lines: int) -> list[str]:
+    """The last `lines` non-empty lines of the text file at `path` (reading at most its last
+    256 KiB); [] if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - (256 << 10)))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]

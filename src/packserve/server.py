@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from packserve import backends
 from packserve.auth import KeyRing
+from packserve.backends.runner import RunnerHost
 from packserve.config import AUTO_BUDGET_FRACTION, Config, DeviceConfig, ModelSpec
 from packserve.core.backend import BackendFactory, LoadSpec
 from packserve.core.catalog import DeviceBudget, Entry
@@ -213,19 +214,25 @@ def build_scheduler(
 ) -> Scheduler:
     """The scheduler for `config`, with each device's victim policy from its `eviction` key
     unless given one (for every device, or by device name: the bench replays other engines'
-    rules). Must be called from the thread that runs the event loop."""
+    rules), and its engines' runner processes on a host of its own (`runner_host`). Must be
+    called from the thread that runs the event loop (the runners inherit its priority)."""
     probe = probe or SystemProbe()
+    if factory is None:
+        host = runner_host(config)
+        host.start()
+        factory = backends.factory(host)
     entries = build_entries(config, announce)  # engines are imported by their first load
     budgets = device_budgets(config, {e.load.device for e in entries}, probe)
     if victim_policy is None:
         victim_policy = {b.name: make_policy(dev.eviction, dev.eviction_horizon_s)
                          for b in budgets for dev in [config.device_config(b.name)]}
     scheduler = Scheduler(
-        entries, budgets, factory or backends.create_backend, probe,
+        entries, budgets, factory, probe,
         FootprintStore(config.data_path / "footprints.json"),
         load_wait_s=config.server.load_wait_s,
         load_timeout_s=config.server.load_timeout_s,
         failure_cooldown_s=config.server.failure_cooldown_s,
+        crash_window_s=config.server.crash_window_s,
         victim_policy=victim_policy,
         load_nice=config.server.load_nice,
         load_turn=config.server.load_turn,
@@ -238,6 +245,14 @@ def build_scheduler(
     )
     scheduler.check_pins()
     return scheduler
+
+
+def runner_host(config: Config) -> RunnerHost:
+    """What `config`'s runner processes share: their logs under `data_dir/logs/runners`, a
+    start deadline of `load_timeout_s`, and the CPU turns (`runner_turns`)."""
+    return RunnerHost(config.data_path / "logs" / "runners",
+                      start_timeout_s=config.server.load_timeout_s,
+                      turns=config.server.runner_turns)
 
 
 def build_keyring(config: Config) -> KeyRing | None:

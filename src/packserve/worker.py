@@ -99,6 +99,10 @@ class ControlChannel:
             self.send({"k": "load", "model": event.model})
         elif isinstance(event, events.LoadEvent | events.LoadFailedEvent):
             self.send({"k": "loaded", "model": event.model})
+        elif isinstance(event, events.CrashEvent):
+            # A runner's death: the front counts it beside its worker's own
+            # (packserve_engine_crashes{model,signal}).
+            self.send({"k": "exit", "model": event.model, "signal": event.signal})
         elif isinstance(event, events.OperatorLoadEvent):
             # Written before the admin route answers 200, on a pipe the front's event loop
             # reads: the front has acted on it before it reads any request its client sends
@@ -131,7 +135,7 @@ def main() -> int:
 
     config = Config.model_validate_json(Path(os.environ[ENV_CONFIG]).read_text("utf-8"))
     configure_logging(config.server.log_level)
-    quarantine: dict[str, str] = json.loads(os.environ.get(ENV_QUARANTINE) or "{}")
+    quarantine: dict[str, dict[str, Any]] = json.loads(os.environ.get(ENV_QUARANTINE) or "{}")
     control = ControlChannel(int(os.environ[ENV_CONTROL_FD]))
     try:
         return asyncio.run(_serve(config, os.environ[ENV_SOCKET], control, quarantine))
@@ -141,13 +145,12 @@ def main() -> int:
 
 
 async def _serve(config: Any, socket_path: str, control: ControlChannel,
-                 quarantine: dict[str, str]) -> int:
+                 quarantine: dict[str, dict[str, Any]]) -> int:
     from fastapi.responses import JSONResponse
 
     from packserve import uvicorn_server
     from packserve.api.app import create_app
     from packserve.api.asgi import error_body
-    from packserve.backends import llama_server
     from packserve.config import Config
     from packserve.core.events import log_event
     from packserve.errors import ConfigError
@@ -162,11 +165,15 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     # One-time work of a first start (assembling a packaged model) shows in the front's /readyz.
     scheduler = build_scheduler(config, sinks=(log_event, control.on_event),
                                 announce=control.pending)
-    for name, reason in quarantine.items():
-        if name in scheduler.model_names():
-            scheduler.quarantine(name, reason)
+    # What the front's crash rule (core.crashes) made of the deaths of earlier workers.
+    for name, rule in quarantine.items():
+        if name not in scheduler.model_names():
+            continue
+        if rule.get("action") == "backoff":
+            scheduler.back_off(name, float(rule["for_s"]))
+        else:
+            scheduler.quarantine(name, str(rule["reason"]), rule.get("for_s"))
     telemetry = build_telemetry(config, scheduler)
-    llama_server.TURNS.enabled = config.server.runner_turns
     app = create_app(scheduler, telemetry, max_request_bytes=config.server.max_request_bytes,
                      background_start=True, keys=build_keyring(config),
                      operator_views=config.server.operator_views,

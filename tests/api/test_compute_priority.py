@@ -6,7 +6,6 @@ backends.llama_server.Turns), then goes on generating."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.factories import Running, default_config, serve
+from tests.factories.processes import runner_of
 
 pytestmark = pytest.mark.real
 
@@ -24,21 +24,6 @@ EMBEDDER, COMPLETE = "all-minilm-l6-v2", "gemma-3-270m"
 def server(models_dir: Path) -> Iterator[Running]:
     with serve(default_config(models_dir, only_models=[EMBEDDER, COMPLETE])) as running:
         yield running
-
-
-def _runner_of(model_file: str) -> int:
-    """The pid of this process's llama-server child serving `model_file`."""
-    for pid in (int(name) for name in os.listdir("/proc") if name.isdigit()):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = next(int(line.split()[1]) for line in status.splitlines()
-                    if line.startswith("PPid:"))
-        if ppid == os.getpid() and "llama-server" in command and model_file in command:
-            return pid
-    raise AssertionError(f"no llama-server runner of {model_file}")
 
 
 def _stopped(pid: int) -> bool:
@@ -52,7 +37,7 @@ def test_embeddings_stop_a_long_completion_for_their_turn(server: Running) -> No
                                                                         "max_tokens": 1})):
             path = "/v1/embeddings" if model == EMBEDDER else "/v1/completions"
             assert c.post(path, json={"model": model, **body}).status_code == 200
-    gemma = _runner_of("gemma")
+    gemma = runner_of("gemma")
 
     first_piece, done = threading.Event(), threading.Event()
     pieces: list[str] = []

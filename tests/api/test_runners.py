@@ -18,6 +18,7 @@ import pytest
 
 from packserve.core.events import RequestEvent
 from tests.factories import Running, default_config, serve
+from tests.factories.processes import runner_of
 
 pytestmark = pytest.mark.real
 
@@ -30,29 +31,6 @@ LONG = {"model": CHAT, "max_tokens": 1500, "temperature": 0.8, "stream": True,
 def server(models_dir: Path) -> Iterator[Running]:
     with serve(default_config(models_dir, only_models=[CHAT, "gemma-3-270m"])) as running:
         yield running
-
-
-def _runners() -> dict[int, str]:
-    """This process's llama-server children: pid -> command line."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = next(int(line.split()[1]) for line in status.splitlines()
-                    if line.startswith("PPid:"))
-        if ppid == os.getpid() and "llama-server" in command and " Z" not in status:
-            out[int(entry.name)] = command
-    return out
-
-
-def _runner_of(model_file: str) -> int:
-    (pid,) = [p for p, command in _runners().items() if model_file in command]
-    return pid
 
 
 def _completion_tokens(server: Running) -> int:
@@ -109,7 +87,7 @@ def test_a_client_that_leaves_stops_the_runners_generation(server: Running) -> N
                 events.append(line)
             if len(events) >= 5:
                 break
-    runner = _runner_of("SmolLM2")
+    runner = runner_of("SmolLM2")
     time.sleep(0.5)  # the runner sees the closed connection at its next token
     start = _cpu_ticks(runner)
     time.sleep(1.0)
@@ -128,7 +106,7 @@ def test_a_runner_killed_mid_stream_ends_that_stream_and_the_next_is_served(
                     continue
                 events.append(line)
                 if len(events) == 3:
-                    os.kill(_runner_of("SmolLM2"), signal.SIGKILL)
+                    os.kill(runner_of("SmolLM2"), signal.SIGKILL)
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2][6:])["error"]
         assert error["code"] == "engine_crashed" and CHAT in error["message"]

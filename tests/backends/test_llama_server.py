@@ -1,6 +1,6 @@
 """The llama-server engine: each load is a runner process, its bytes are that process's, a
-client that leaves stops its sequence, a runner that dies costs its own requests and is started
-again for the next one, and an unload leaves no process behind."""
+client that leaves stops its sequence, a runner that dies costs its own requests and its reaper
+reports it once, and an unload leaves no process behind."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from packserve import backends
 from packserve.backends.llama_server import LlamaServerBackend, RunnerGone
-from packserve.core.backend import GenerationParams, Message, TokenLogprob
+from packserve.core.backend import EngineExit, GenerationParams, Message, TokenLogprob
 from tests.factories import catalog_path
 
 pytestmark = pytest.mark.real
@@ -139,9 +139,22 @@ def test_whether_the_template_shows_tools_is_llama_cpps_own_probe(
         backend.unload()
 
 
-def test_a_runner_that_dies_fails_its_request_and_is_started_again(tmp_path: Path) -> None:
+def test_a_runner_that_dies_fails_its_request_and_its_reaper_reports_it_once(
+        tmp_path: Path) -> None:
+    """SIGKILL mid-generation (what the OOM killer does): the generation fails with a 503
+    `engine_crashed`, the reaper reports the death once with its signal and the log's tail, and
+    the runner is not started again behind the scheduler's back: the next request fails too,
+    until the scheduler loads the model anew (tests/api/test_runner_deaths.py)."""
     backend = _backend(tmp_path, "gemma-3-270m", parallel=1)
     backend.load()
+    reports: list[EngineExit] = []
+    reported = threading.Event()
+
+    def report(exit: EngineExit) -> None:
+        reports.append(exit)
+        reported.set()
+
+    backend.watch(report)
     try:
         first = backend.pid
         assert first is not None
@@ -165,18 +178,18 @@ def test_a_runner_that_dies_fails_its_request_and_is_started_again(tmp_path: Pat
         runner.join(60)
         assert len(errors) == 1 and isinstance(errors[0], RunnerGone)
         assert errors[0].status == 503 and errors[0].code == "engine_crashed"
-        out = backend.complete("Once upon a time", GenerationParams(max_tokens=4,
-                                                                    temperature=0.0))
-        assert out.completion_tokens == 4 and backend.pid not in (None, first)
-        # Dead again at once: it stays dead (no crash loop), with a 503.
-        second = backend.pid
-        assert second is not None
-        os.kill(second, signal.SIGKILL)
-        os.waitpid(second, 0)
-        with pytest.raises(RunnerGone):
+        assert reported.wait(10)
+        (exit,) = reports
+        assert (exit.pid, exit.signal, exit.status, exit.cause) == (first, "SIGKILL", None,
+                                                                    "SIGKILL")
+        assert exit.log == backend.log() and Path(exit.log).is_file()
+        assert "llama-server" in Path(exit.log).read_text()  # its command line, first
+        assert backend.exited(0) == exit and backend.dead()
+        with pytest.raises(RunnerGone, match="SIGKILL"):  # not started again in place
             backend.complete("Once", GenerationParams(max_tokens=2))
     finally:
         backend.unload()
+    assert len(reports) == 1
 
 
 def test_an_unload_leaves_no_process(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from packserve.backends.llama_server import Competitor, Turns, _urgency
+from packserve.backends.runner import Competitor, Turns, _urgency
 
 
 def _state(pid: int) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from packserve import backends
-from packserve.backends.llama_server import LlamaEmbedBackend, RunnerGone, _RunnerProcess
+from packserve.backends.llama_server import LlamaEmbedBackend, RunnerBackend, RunnerGone
 from packserve.config import load_config
 from packserve.core.backend import Backend, GenerationParams, Message
 from packserve.core.memory import SystemProbe
@@ -73,17 +73,17 @@ def test_minilm_gives_its_weights_back_and_embeds_the_same_after_a_restore(
         backend.unload()
 
 
-def _runner(tmp_path: Path, name: str) -> _RunnerProcess:
+def _runner(tmp_path: Path, name: str) -> RunnerBackend:
     """The default catalog's runner of `name`, loaded."""
     engine = backends.get(next(m for m in load_config(None).models if m.name == name).backend)
     backend = engine.build(engine.load_spec(catalog_path(name, tmp_path, converted=True), "cpu",
                                             256 if engine.convert else 1024, 64, {}))
-    assert isinstance(backend, _RunnerProcess)
+    assert isinstance(backend, RunnerBackend)
     backend.load()
     return backend
 
 
-def _answer(backend: _RunnerProcess) -> object:
+def _answer(backend: RunnerBackend) -> object:
     if isinstance(backend, LlamaEmbedBackend):
         return backend.embed(["a cat sat on the mat", "the weather is fine"]).vectors.tolist()
     return backend.chat([Message(role="user", content="Name three colours.")],
@@ -117,8 +117,7 @@ def test_a_runner_that_died_while_warm_is_not_restored(tmp_path: Path) -> None:
         assert backend.release_weights()
         assert backend.pid is not None
         os.kill(backend.pid, signal.SIGKILL)
-        assert backend._proc is not None
-        backend._proc.wait()
+        assert backend.exited(10) is not None  # reaped
         with pytest.raises(RunnerGone):  # the scheduler then loads it anew
             backend.restore_weights()
         assert not backend.release_weights()  # nothing left to release: unloaded

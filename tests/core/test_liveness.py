@@ -8,13 +8,14 @@ import asyncio
 
 import pytest
 
+from packserve.core.residency import WEDGE_GRACE_S
 from packserve.types import State
 from tests.factories import TIMEOUT, drain, entry, harness, hold, use
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(4 * TIMEOUT)]
 
 
-async def test_a_load_that_hangs_in_its_engine_is_wedged_past_load_timeout_s() -> None:
+async def test_a_load_that_hangs_in_its_engine_is_wedged_past_load_timeout_s_and_a_grace() -> None:
     h = harness([entry("a"), entry("b")], budget_mib=1024, load_timeout_s=60)
     s = h.scheduler
     assert s.liveness().ok and s.liveness().locks == ()
@@ -26,7 +27,9 @@ async def test_a_load_that_hangs_in_its_engine_is_wedged_past_load_timeout_s() -
         assert [(x.kind, x.detail) for x in live.locks] == [("lock", "model a")]
         assert [(x.model, x.seconds) for x in live.loads] == [("a", 0.0)]
         assert live.ok and not live.restart
-        h.clock.advance(61)
+        h.clock.advance(61)  # past load_timeout_s, within the grace a runner's own deadline has
+        assert s.liveness().ok
+        h.clock.advance(WEDGE_GRACE_S)
         live = s.liveness()
         assert {(x.kind, x.model) for x in live.stuck} == {("lock", ""), ("load", "a")}
         assert live.wedged == ("a",) and live.restart and not live.ok

@@ -49,8 +49,8 @@ def test_every_state_has_a_row_and_can_be_reached() -> None:
 
 
 @pytest.mark.parametrize(("src", "dst"), [
-    (State.HOT, State.COLD),  # weights leave only through UNLOADING
-    (State.HOT, State.WARM),
+    (State.HOT, State.WARM),  # a warm copy is made only through UNLOADING
+    (State.HOT, State.ADMITTING),
     (State.COLD, State.HOT),  # every load is admitted first
     (State.WARM, State.HOT),
     (State.UNLOADING, State.HOT),

@@ -111,12 +111,14 @@ def test_segv_fails_the_running_generation_and_serves_everything_else(served: Se
     assert summary["crashes"][0]["signal"] == "SIGSEGV"
 
 
-GEN_QUARANTINE = {"gen": "engine crashed: SIGILL while serving chat"}
+GEN_QUARANTINE = {"gen": "engine crashed: SIGILL while serving chat (3 times within "
+                         "crash_window_s)"}
 
 
 def quarantine_gen(srv: Served, c: httpx.Client) -> None:
-    """Crash gen's engine twice (SIGILL): the front quarantines it."""
-    for attempt in range(2):
+    """Crash gen's engine three times (SIGILL): the front quarantines it (core.crashes: the
+    second death within crash_window_s backs off, the third quarantines)."""
+    for attempt in range(3):
         pid = srv.worker_pid()
         r = c.post(CHAT, json=chat_body("@@signal=ILL"))
         assert r.status_code == 503, r.text
@@ -124,8 +126,10 @@ def quarantine_gen(srv: Served, c: httpx.Client) -> None:
         message = r.json()["error"]["message"]
         assert "SIGILL" in message and "'gen'" in message
         srv.wait_ready(other_than_pid=pid)
-        if attempt == 1:
-            assert "now failed until an operator loads it" in message
+        if attempt == 2:
+            assert "now quarantined until crash_window_s has passed" in message
+        else:
+            assert srv.health()["worker"]["quarantined"] == {}  # type: ignore[index]
     assert srv.health()["worker"]["quarantined"] == GEN_QUARANTINE  # type: ignore[index]
 
 
@@ -136,7 +140,8 @@ def assert_quarantined(srv: Served, c: httpx.Client) -> None:
     assert GEN_QUARANTINE["gen"] in r.json()["error"]["message"]
 
 
-def test_a_model_charged_twice_is_quarantined_until_an_operator_loads_it(served: Served) -> None:
+def test_a_model_charged_thrice_is_quarantined_until_an_operator_loads_it(
+        served: Served) -> None:
     srv = served
     with srv.client() as c:
         quarantine_gen(srv, c)

@@ -35,13 +35,15 @@ def test_healthz_deep_sees_a_hung_load_that_healthz_does_not(tmp_path: Path) -> 
         assert {s["kind"] for s in body["stuck"]} >= {"load", "lock"}
         # The watchdog reads the same probe: the worker is replaced and the hung model charged.
         # The front sends the request again to the new worker (it died unanswered), where the
-        # load hangs again: the second charge quarantines the model and the client gets 503.
+        # load hangs again: the second charge backs the model off (core.crashes: the third
+        # would quarantine it) and the client gets 503.
         answer = hung.result(timeout=60)
         assert answer.status_code == 503, answer.text
         assert "hung past load_timeout_s" in answer.json()["error"]["message"]
         worker = srv.health()["worker"]
         assert isinstance(worker, dict)
-        assert worker["crashes"] == 2 and list(worker["quarantined"]) == ["hung"]
+        assert worker["crashes"] == 2 and worker["quarantined"] == {}
+        assert list(worker["backing_off"]) == ["hung"]
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             while c.get("/readyz").status_code != 200:
                 assert time.monotonic() < deadline

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 from packserve.config import load_config
+from packserve.core import crashes
 from packserve.front.supervisor import Supervisor
 from tests.factories import fake_config, fake_model
 
@@ -70,7 +71,8 @@ def test_a_quarantine_is_lifted_by_the_workers_report_of_an_operators_load(
 
     async def scenario() -> None:
         supervisor = Supervisor(config)
-        supervisor.quarantined["gen"] = reason  # as two crashes within crash_window_s leave it
+        # as three crashes within crash_window_s leave it
+        supervisor.hold("gen", crashes.judge([0.0, 1.0, 2.0], 300.0), reason)
         await supervisor.start()
         try:
             worker = await supervisor.wait_up(120)

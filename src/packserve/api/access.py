@@ -3,7 +3,8 @@
 - open: `/healthz` (also as `/health`), `/readyz`.
 - any key: the OpenAI and rerank routes, `/v1/models`; a model route also checks the key's
   scope (`Services.call`), and a model outside it is "does not exist or you have no access".
-- admin key: load, unload, offload, pin, unpin, reload.
+- admin key: load, unload, offload, pin, unpin, reload, and a model's engine log
+  (`GET /v1/residency/NAME/log`).
 - the read-only operator views (`/`, `/metrics`, `/v1/metrics/summary`, `/v1/residency`, the
   deep probe `/healthz/deep`, the dry-run plans, a pool's `/v1/pool`, `/docs`, `/openapi.json`)
   are open or admin by `server.operator_views`.
@@ -36,13 +37,14 @@ _VIEWS = frozenset({"/", "/metrics", "/v1/metrics/summary", "/v1/residency", "/h
                     "/v1/residency/plan", "/v1/residency/plans", "/v1/pool", "/docs",
                     "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 _ADMIN = re.compile(r"^/v1/residency/.+/(load|unload|offload|pin|unpin)$|^/v1/admin/")
+_ADMIN_READS = re.compile(r"^/v1/residency/.+/log$")
 
 
 def access_of(method: str, path: str, views: OperatorViews) -> Access:
     """The class of a request to `path`."""
     if path in _OPEN or path.startswith("/internal/"):  # the front never relays /internal/
         return Access.OPEN
-    if method != "GET" and _ADMIN.match(path):
+    if (method != "GET" and _ADMIN.match(path)) or _ADMIN_READS.match(path):
         return Access.ADMIN
     if path in _VIEWS and method in ("GET", "HEAD"):
         return Access.OPEN if views == "open" else Access.ADMIN

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,35 +19,77 @@ import anyio
 
 from packserve.api import relay
 from packserve.api.batching import Batchers
-from packserve.core.backend import Embeddings, Generated, OnText, Ranking, TokenLogprob, Wire
+from packserve.core.backend import (
+    Embeddings,
+    Generated,
+    OnText,
+    Ranking,
+    Runner,
+    TokenLogprob,
+    Wire,
+)
 from packserve.core.lease import Lease
 from packserve.core.request import GenerationRequest
+from packserve.errors import EngineCrashed
 
 T = TypeVar("T")
 
 
-class Call:
-    """A request's use of its lease; made by `Services.call`."""
+Recover = Callable[[Lease], Awaitable[Runner | None]]
 
-    def __init__(self, lease: Lease, batchers: Batchers) -> None:
+
+class Call:
+    """A request's use of its lease; made by `Services.call`.
+
+    A request whose engine process died before it took the request (nothing of its answer
+    made yet: an embedding, a rerank, a generation not yet started) is sent again once, after
+    the scheduler has loaded the model anew (`recover`: `Scheduler.recover`). One that had
+    begun to answer ends with its error (503 `engine_crashed`)."""
+
+    def __init__(self, lease: Lease, batchers: Batchers, recover: Recover | None = None
+                 ) -> None:
         self._lease = lease
         self._batchers = batchers
+        self._recover = recover
+
+    async def recover(self) -> bool:
+        """The engine was found gone: load it again and lend its new runner to this lease.
+        False where it was not gone (or nothing can recover it): the caller re-raises."""
+        if self._recover is None:
+            return False
+        runner = await self._recover(self._lease)
+        if runner is None:
+            return False
+        self._lease.runner = runner
+        return True
+
+    async def _once_more(self, call: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await call()
+        except EngineCrashed:
+            if not await self.recover():
+                raise
+        return await call()
 
     async def embed(self, texts: list[str]) -> Embeddings:
         """Through the model's batcher: concurrent requests share forward passes."""
-        runner = self._lease.runner
-        out = await self._batchers.for_runner(runner).embed(runner, texts, self._lease.model)
+        async def once() -> Embeddings:
+            runner = self._lease.runner
+            return await self._batchers.for_runner(runner).embed(runner, texts,
+                                                                 self._lease.model)
+        out = await self._once_more(once)
         self._lease.count_tokens(sum(out.tokens))
         return out
 
     async def embed_ids(self, ids: list[list[int]]) -> Embeddings:
         """Token-id inputs, in one call of their own (the batcher joins texts)."""
-        out = await off_loop(self._lease.runner.embed_ids, ids)
+        out = await self._once_more(lambda: off_loop(self._lease.runner.embed_ids, ids))
         self._lease.count_tokens(sum(out.tokens))
         return out
 
     async def rerank(self, query: str, documents: list[str]) -> Ranking:
-        out = await off_loop(self._lease.runner.rerank, query, documents)
+        out = await self._once_more(
+            lambda: off_loop(self._lease.runner.rerank, query, documents))
         self._lease.count_tokens(out.tokens)
         return out
 
@@ -55,23 +97,46 @@ class Call:
         """The request to relay for a plain generation, if the leased engine takes one."""
         return self._lease.runner.wire(request)
 
-    async def relay_whole(self, wire: Wire) -> dict[str, Any]:
-        """The engine's whole answer to `wire`, its tokens counted on the lease."""
-        return await relay.whole(wire, self._lease.model, self._lease.count_tokens)
+    async def relay_whole(self, request: GenerationRequest, wire: Wire) -> dict[str, Any]:
+        """The engine's whole answer to `wire` (`request`'s), its tokens counted on the lease;
+        sent again once to the reloaded engine if the engine's process was gone."""
+        try:
+            return await relay.whole(wire, self._lease.model, self._lease.count_tokens)
+        except relay.Unreachable:
+            again = await self.recover() and self.wire(request)
+            if not again:
+                raise
+        return await relay.whole(again, self._lease.model, self._lease.count_tokens)
 
-    def relay(self, wire: Wire, *, include_usage: bool) -> AsyncGenerator[bytes]:
-        """The engine's events for `wire` (a refusal raises at the first), its tokens counted
-        on the lease and its first text's time marked on it. Leaving early closes the
-        exchange, which stops the generation."""
-        return relay.stream(wire, self._lease.model, self._lease.count_tokens,
-                            include_usage=include_usage, first_text=self._lease.first_token)
+    async def relay(self, request: GenerationRequest, wire: Wire, *, include_usage: bool
+                    ) -> AsyncGenerator[bytes]:
+        """The engine's events for `wire` (`request`'s; a refusal raises at the first), its
+        tokens counted on the lease and its first text's time marked on it; sent again once
+        to the reloaded engine if the engine's process was gone before it answered. Leaving
+        early closes the exchange, which stops the generation."""
+        for attempt in (0, 1):
+            async with contextlib.aclosing(relay.stream(
+                    wire, self._lease.model, self._lease.count_tokens,
+                    include_usage=include_usage, first_text=self._lease.first_token)) as raw:
+                try:
+                    opened = await raw.__anext__()
+                except relay.Unreachable:
+                    again = attempt == 0 and await self.recover() and self.wire(request)
+                    if not again:
+                        raise
+                    wire = again
+                    continue
+                yield opened
+                async for chunk in raw:
+                    yield chunk
+                return
 
     async def generate(self, request: GenerationRequest, choice: int = 0) -> Generated:
         """Run `request` (its prompt number `choice`, for a completion) to the end; if the
         request is cancelled, the engine is asked to stop."""
         stop = threading.Event()
-        out = await off_loop(self._lease.runner.generate, request, _until(stop), choice,
-                             on_cancel=stop.set)
+        out = await self._once_more(lambda: off_loop(
+            self._lease.runner.generate, request, _until(stop), choice, on_cancel=stop.set))
         _count(self._lease, out)
         return out
 
@@ -80,7 +145,7 @@ class Call:
         """Start `request` and hand its pieces over as they come. On leaving (the stream ended,
         or its client left) the engine is asked to stop, and the thread is awaited, shielded
         from cancellation, before the lease can be released."""
-        stream = Stream(self._lease, request)
+        stream = Stream(self._lease, request, self.recover)
         try:
             yield stream
         finally:
@@ -98,23 +163,32 @@ class Piece:
 
 class Stream:
     """The text pieces of a generation running in a worker thread, in order (`async for`), then
-    its outcome (`result`)."""
+    its outcome (`result`). Sent again once to the reloaded engine (`recover`) if the engine's
+    process was gone before the first piece."""
 
-    def __init__(self, lease: Lease, request: GenerationRequest) -> None:
+    def __init__(self, lease: Lease, request: GenerationRequest,
+                 recover: Callable[[], Awaitable[bool]] | None = None) -> None:
         loop = asyncio.get_running_loop()
         self._lease = lease
         self._pieces: asyncio.Queue[Piece | None] = asyncio.Queue()
         self._stop = threading.Event()
         self._ended = False
+        sent = threading.Event()  # a piece went out: it is too late to send it again
 
         def on_text(text: str, logprobs: Sequence[TokenLogprob]) -> bool:
             if self._stop.is_set():
                 return False
+            sent.set()
             loop.call_soon_threadsafe(self._pieces.put_nowait, Piece(text, tuple(logprobs)))
             return True
 
         async def work() -> Generated:
             try:
+                try:
+                    return await asyncio.to_thread(lease.runner.generate, request, on_text)
+                except EngineCrashed:
+                    if sent.is_set() or recover is None or not await recover():
+                        raise
                 return await asyncio.to_thread(lease.runner.generate, request, on_text)
             finally:
                 self._pieces.put_nowait(None)

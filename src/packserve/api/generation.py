@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 from fastapi.responses import StreamingResponse
 
-from packserve.api import relay
 from packserve.api.calls import Call
 from packserve.api.errors import described
 from packserve.api.request import finish
@@ -205,8 +204,7 @@ async def answer(s: Services, request: GenerationRequest, reply: Completion
     async with s.call(request.model, request.task, request.inputs, request.keep_alive) as call:
         wire = call.wire(request)
         if wire is not None:
-            with contextlib.suppress(relay.Unreachable):  # then the engine's own way, below
-                return await call.relay_whole(wire)
+            return await call.relay_whole(request, wire)
         outs = [await call.generate(request, i) for i in range(request.choices)]
     outs = [await finish(request, out) for out in outs]
     if request.stream:
@@ -251,16 +249,10 @@ async def _events(s: Services, request: GenerationRequest, reply: Completion
         # Each inner generator is closed here, inside the lease, however the stream ends.
         if wire is not None:
             async with contextlib.aclosing(call.relay(
-                    wire, include_usage=request.include_usage)) as raw:
-                try:
-                    opened = await raw.__anext__()
-                except relay.Unreachable:
-                    opened = None  # nothing ran: the engine's own way, below
-                if opened is not None:
-                    yield opened
-                    async for chunk in raw:
-                        yield chunk
-                    return
+                    request, wire, include_usage=request.include_usage)) as raw:
+                async for chunk in raw:
+                    yield chunk
+            return
         async with contextlib.aclosing(_generated(reply, call, request)) as events:
             async for event in events:
                 yield event

@@ -33,8 +33,8 @@ _TEXT = re.compile(rb'"(?:content|text)":"[^"]')  # an event with text in it
 
 class Unreachable(EngineCrashed):
     """The engine did not take the request (its socket refused or closed before an answer
-    began): nothing ran, so the route may serve it another way (`Runner.generate`, which starts a
-    dead runner again)."""
+    began): nothing ran, so it may be sent again once the model is loaded anew
+    (`api.calls.Call.relay`)."""
 Count = Callable[[int, int], None]  # prompt tokens, completion tokens
 
 

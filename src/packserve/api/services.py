@@ -74,7 +74,7 @@ class Services:
                 try:
                     with lease.runner.working(arrived + slo_s, slo_s):
                         await _check_input_tokens(lease, spec, inputs)
-                        yield Call(lease, self.batchers)
+                        yield Call(lease, self.batchers, self.scheduler.recover)
                 finally:
                     used = lease.prompt_tokens + lease.completion_tokens
                     self.telemetry.count_compute_wait(model, task, ticket.waited_s)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
-from packserve.core.backend import Backend, LoadSpec
+from packserve.backends.runner import RunnerHost
+from packserve.core.backend import Backend, BackendFactory, LoadSpec
 from packserve.core.engine import Engine
 
 _BUILT_IN = (
@@ -55,8 +56,23 @@ def get(name: str) -> Engine:
 
 
 def create_backend(spec: LoadSpec) -> Backend:
-    """The server's backend factory: the engine named by `spec.backend` builds it."""
+    """The engine named by `spec.backend` builds the backend of `spec` (a runner's on the
+    default host: `factory` gives the server's)."""
     return get(spec.backend).build(spec)
+
+
+def factory(host: RunnerHost) -> BackendFactory:
+    """The server's backend factory: the engine named by a spec builds its backend, and an
+    engine in a process of its own runs it on `host` (the worker's spawner, turns and logs)."""
+    from packserve.backends.llama_server import RunnerBackend
+
+    def create(spec: LoadSpec) -> Backend:
+        backend = get(spec.backend).build(spec)
+        if isinstance(backend, RunnerBackend):
+            backend.host = host
+        return backend
+
+    return create
 
 
 def check_weights(spec: LoadSpec) -> None:

@@ -4,8 +4,11 @@ The design of Ollama and of llama.cpp's own router, which beat an in-process eng
 first, through llama-cpp-python, since removed) in docs/engines.md: the engine's loop (decode,
 sampling, detokenising, continuous batching of the load's `parallel` slots, prompt-prefix
 reuse, grammars) runs in C++ with every core, and no Python runs per token inside it. The
-worker reads the runner's server-sent events and hands each piece of text to the request, as it
-does for any engine.
+worker relays a plain generation's bytes (`wire`) or reads the runner's server-sent events and
+hands each piece of text to the request, as it does for any engine.
+
+This module holds what is llama-server's own: its command line, its routes, its JSON, its pages
+API. The process itself (spawn, readiness, stop, log, reaper, CPU turns) is `backends.runner`'s.
 
 What a runner is to the scheduler: its bytes are the child's resident set size (`weight_bytes`
 reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it started, not the
@@ -14,9 +17,10 @@ weights file's pages dropped from its resident set (the page cache keeps them wh
 has room): `release_weights` asks the runner to let them go (a patched route,
 scripts/patches/llama-server-release-pages.patch), `restore_weights` to read them back, each in
 milliseconds where a start takes up to half a second; what a warm runner holds is its buffers
-(KV cache, compute) and code. A runner that dies (SIGSEGV, an OOM kill) costs its own requests a
-503 and nothing else; its next request finds it gone and the scheduler loads it anew
-(`RunnerGone`); a warm one found dead is loaded anew.
+(KV cache, compute) and code. A runner that dies (SIGSEGV, an OOM kill) is reported by its
+reaper at once: the scheduler takes the model out of service, counts the death and loads it
+again through its one load path (core.crashes); its requests in flight get a 503
+(`RunnerGone`), and those it had not begun are sent again once after the reload.
 
 The binary is built by scripts/setup.sh from the vendored llama.cpp of the pinned
 llama-cpp-python sdist (its source only: the Python package is not installed), with portable
@@ -28,32 +32,26 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import functools
 import http.client
 import json
 import logging
-import math
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packserve.backends import gguf
+from packserve.backends.runner import Child, RunnerHost, UnixHTTP
 from packserve.core.backend import (
     EXTENSIONS,
     Alternative,
     Backend,
     Embeddings,
+    EngineExit,
+    ExitReport,
     FinishReason,
     Generated,
     GenerationParams,
@@ -80,8 +78,6 @@ if TYPE_CHECKING:
     from packserve.core.request import GenerationRequest
 
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
-START_TIMEOUT_S = 120.0  # a runner that is not serving by then failed to load
-RESTART_WINDOW_S = 30.0  # a runner that dies again this soon after a restart stays dead
 # A warm runner's release or restore of its weights' pages: milliseconds from the page cache; a
 # restore whose pages the kernel took back reads the file.
 PAGES_TIMEOUT_S = 60.0
@@ -92,162 +88,7 @@ DEFAULT_PARALLEL = 4
 # model's limit times this is refused before it is sent to be tokenized.
 _MAX_CHARS_PER_TOKEN = 32
 
-# The runners are started from this one long-lived thread, made when the registry imports this
-# module (on the worker's main thread, at its priority): a child asks the kernel to kill it when
-# the thread that forked it ends (PR_SET_PDEATHSIG), so that thread must live as long as the
-# worker; and a child inherits its thread's nice, so it must not be one of the scheduler's load
-# threads (at `load_nice`), or the runner would serve at the loads' low priority. The
-# supervisor also kills the worker's whole process group when the worker dies; the death signal
-# covers a scheduler run inside another program (the tests).
 log = logging.getLogger(__name__)
-
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="packserve-runner-spawn")
-_SPAWNER.submit(int).result()  # the thread exists from now on
-_PR_SET_PDEATHSIG = 1
-
-
-class Competitor:
-    """One runner as the CPU's turns see it: its process id while it has one (None before its
-    start and after its stop; a runner restarted in place gets a new one), and how long its
-    turns have held it so far (a start's timeout does not count that time)."""
-
-    __slots__ = ("_held_since", "held_s", "pid")
-
-    def __init__(self, pid: int | None = None) -> None:
-        self.pid = pid
-        self.held_s = 0.0  # seconds paused by its turns, up to its last resume
-        self._held_since: float | None = None
-
-    def held(self) -> float:
-        """Seconds its turns have held it, including the pause it may be in now."""
-        since = self._held_since
-        return self.held_s + (time.monotonic() - since if since is not None else 0.0)
-
-
-class Turns:
-    """The CPU's runners compute one at a time when several are busy: the one serving the
-    earliest deadline runs, the others are stopped (SIGSTOP) until it is idle or a request with
-    an earlier deadline comes (SIGCONT).
-
-    Why: llama.cpp's threads (OpenMP) spin at each of the hundreds of barriers of a token's
-    graph, so two runners with every core each, busy at once, spend their time spinning for
-    threads the other runner's hold: two SmolLM2 runners on 2 cores made 18 + 18 tokens/s
-    where one alone made 134 (`scripts/runner_checks.py contention`, docs/engines.md). In
-    turns, the cores serve one runner at its full speed; an embedding's runner (0.5 s SLO)
-    takes them from a generation's (4 s) for the milliseconds it needs.
-
-    A request's deadline is its arrival plus its model's SLO (`[server.slo]`); one already
-    past it competes as if it came again (its deadline moves on by its SLO), so late requests
-    do not keep the cores from every other runner (the domino effect `core.compute` describes).
-    A runner's start (its load, llama-server's warm-up pass) competes too, at the deadline of
-    the earliest request waiting for it when it began (the time it is held does not count
-    against START_TIMEOUT_S); a runner restarted in place keeps its requests' turns. A start
-    beside a burst of embeddings once took 6.2 s where it takes 0.2, and held the embeddings as
-    long (docs/benchmarks.md, trace). A runner
-    is stopped only while it has work and another runner's is more urgent; an idle runner, or
-    one being stopped or released, is never held. On by default; `[server] runner_turns =
-    false` leaves the sharing to the OS.
-    """
-
-    RECHECK_S = 0.02  # how often the deadlines are compared again while runners wait
-
-    def __init__(self) -> None:
-        self.enabled = True
-        self._cond = threading.Condition()
-        self._work: dict[Competitor, list[tuple[float, float]]] = {}  # (deadline, SLO) each
-        self._stopped: dict[int, Competitor] = {}  # pid -> whose it is
-        self._thread: threading.Thread | None = None
-
-    @contextlib.contextmanager
-    def working(self, who: Competitor, deadline: float, slo_s: float) -> Iterator[None]:
-        """`who` computes for a request (or its start) due at `deadline` (time.monotonic()),
-        for as long as the block runs. Any thread."""
-        entry = (deadline, max(slo_s, 0.001))
-        with self._cond:
-            self._work.setdefault(who, []).append(entry)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="packserve-runner-turns",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
-        try:
-            yield
-        finally:
-            with self._cond:
-                entries = self._work.get(who)
-                if entries is not None and entry in entries:
-                    entries.remove(entry)
-                    if not entries:
-                        del self._work[who]
-                self._cond.notify()
-
-    def spawned(self, who: Competitor, pid: int | None) -> None:
-        """`who` has a process now (None: none any more, as it is killed or found dead); a
-        start waiting under its turn competes from now on. Its work stays: the requests and
-        the start of a runner restarted in place go on competing with its new process."""
-        with self._cond:
-            if who.pid is not None and who.pid != pid:
-                self._resume(who.pid)
-            who.pid = pid
-            self._cond.notify()
-
-    def forget(self, who: Competitor) -> None:
-        """`who` is released to warm, idle: drop its work and let it go now if it is held (a
-        runner that is stopped or dead drops its pid instead: `spawned(who, None)`)."""
-        with self._cond:
-            self._work.pop(who, None)
-            if who.pid is not None:
-                self._resume(who.pid)
-            self._cond.notify()
-
-    def stopped(self) -> frozenset[int]:
-        with self._cond:
-            return frozenset(self._stopped)
-
-    def _stop(self, pid: int, who: Competitor) -> None:
-        self._signal(pid, signal.SIGSTOP)
-        self._stopped[pid] = who
-        who._held_since = time.monotonic()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                # A runner without a process yet (its start is being spawned) uses no CPU.
-                owners = {who.pid: who for who, entries in self._work.items()
-                          if entries and who.pid is not None}
-                busy = {pid: self._work[who] for pid, who in owners.items()}
-                winner = min(busy, key=lambda pid: _urgency(busy[pid])) if len(busy) > 1 \
-                    else None
-                for pid in list(self._stopped):
-                    if winner is None or pid == winner or pid not in busy:
-                        self._resume(pid)
-                if winner is not None:
-                    for pid in busy:
-                        if pid != winner and pid not in self._stopped:
-                            self._stop(pid, owners[pid])
-                self._cond.wait(self.RECHECK_S if winner is not None else None)
-
-    def _resume(self, pid: int) -> None:
-        who = self._stopped.pop(pid, None)
-        if who is not None:
-            self._signal(pid, signal.SIGCONT)
-            if who._held_since is not None:
-                who.held_s += time.monotonic() - who._held_since
-                who._held_since = None
-
-    @staticmethod
-    def _signal(pid: int, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _urgency(entries: list[tuple[float, float]]) -> float:
-    """The earliest deadline of a runner's requests, a late one's moved on by its SLO."""
-    now = time.monotonic()
-    return min(d if d >= now else d + slo * math.ceil((now - d) / slo) for d, slo in entries)
-
-
-TURNS = Turns()
 
 
 class RunnerGone(EngineCrashed):
@@ -302,52 +143,36 @@ def runner_device_bytes(pid: int, device: str, gpu: Callable[[], GpuMemory] = Nv
     return process_device_bytes(gpu(), int(device.partition(":")[2] or 0), pid) or 0
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-class _UnixHTTP(http.client.HTTPConnection):
-    """HTTP over the runner's unix socket (no port to race for, nothing on the network)."""
-
-    def __init__(self, path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-    def retarget(self, path: str) -> None:
-        """Connect to `path` from the next request on (a runner started again)."""
-        self._path = path
-
-
-class _RunnerProcess(Backend):
+class RunnerBackend(Backend):
     """One load: one llama-server process serving the weights on a unix socket. What a runner
     is to the scheduler and to a request's connection; the subclasses say what it serves."""
 
-    _proc: subprocess.Popen[bytes] | None = None
-    _dir: Path | None = None
     n_vocab: int = 0
     out_of_process = True
     # A restore reads the weights' pages back from the page cache: 2.5-17 ms against 0.11-0.85
     # s for a new runner (`scripts/runner_checks.py warm`, docs/engines.md), at most 5%.
     restore_share = 0.05
-
-    _unloaded: bool = False
-    _restarted_at: float = -math.inf
+    _host: RunnerHost | None = None
+    _child: Child | None = None
 
     def __post_init__(self) -> None:
         self.name = self.spec.path.name
-        self._restart_lock = threading.Lock()
-        self._turn = Competitor()
+
+    @property
+    def host(self) -> RunnerHost:
+        """The worker's runner host (the server's backend factory sets it), else the default."""
+        return self._host or RunnerHost.default()
+
+    @host.setter
+    def host(self, host: RunnerHost) -> None:
+        self._host = host
+
+    @property
+    def child(self) -> Child:
+        if self._child is None:
+            self._child = Child(self.host, self.name,
+                                self.host.log_folder(self.spec.path.stem, self.spec.key))
+        return self._child
 
     # -- lifecycle (the scheduler's) -----------------------------------------------------------
 
@@ -355,7 +180,38 @@ class _RunnerProcess(Backend):
         why = runner_cuda(self.spec.device) if self.spec.device != "cpu" else None
         if why is not None:
             raise ConfigError(f"{self.name}: device {self.spec.device} asked, but {why}")
-        self._start()
+        exe = binary()
+        threads = self.spec.threads or usable_cores()
+        slots = max(1, self.spec.parallel)
+
+        def argv(sock: Path) -> list[str]:
+            return [str(exe), "--model", str(self.spec.path), "--host", str(sock),
+                    "--parallel", str(slots), "--threads", str(threads),
+                    "--threads-batch", str(threads), "--alias", self.name,
+                    "--no-webui", "--no-slots", "--offline",
+                    # No trial load to fit the context to free device memory: the context is
+                    # set, and the trial read Gemma's 262k-token vocabulary a second time (a
+                    # start took 0.95 s with it, 0.59 s without, docs/engines.md).
+                    "--fit", "off",
+                    # warnings and errors only: a line per request would grow the log without end
+                    "--log-verbosity", "2", *self._device_args(), *self._mode_args(slots)]
+
+        self.child.start(argv, self._serving)
+        try:
+            self.n_vocab = self._read_vocab()
+        except BaseException:
+            self.child.stop()
+            raise
+
+    def _serving(self) -> bool:
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            conn = UnixHTTP(str(self.child.socket), timeout=5)
+            try:
+                conn.request("GET", "/health")
+                return conn.getresponse().status == 200
+            finally:
+                conn.close()
+        return False
 
     def _device_args(self) -> list[str]:
         """Where the weights go: every layer on the card, or none offloaded (a CUDA build's
@@ -369,42 +225,10 @@ class _RunnerProcess(Backend):
         """What this kind of runner adds to the command line (its context, its mode)."""
         raise NotImplementedError
 
-    def _start(self) -> None:
-        """Start the runner and return once it serves; raises (with its log's tail) if it
-        exits or is not serving within START_TIMEOUT_S."""
-        exe = binary()
-        self._dir = Path(tempfile.mkdtemp(prefix="packserve-runner-"))
-        threads = self.spec.threads or usable_cores()
-        slots = max(1, self.spec.parallel)
-        args = [str(exe), "--model", str(self.spec.path), "--host", str(self._socket),
-                "--parallel", str(slots), "--threads", str(threads),
-                "--threads-batch", str(threads), "--alias", self.name,
-                "--no-webui", "--no-slots", "--offline",
-                # No trial load to fit the context to free device memory: the context is set,
-                # and the trial read Gemma's 262k-token vocabulary a second time (a start took
-                # 0.95 s with it, 0.59 s without, docs/engines.md).
-                "--fit", "off",
-                # warnings and errors only: a line per request would grow the log without end
-                "--log-verbosity", "2", *self._device_args(), *self._mode_args(slots)]
-        log = open(self._dir / "runner.log", "wb")  # noqa: SIM115 (the child writes it)
-        try:
-            self._proc = _SPAWNER.submit(
-                subprocess.Popen, args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                preexec_fn=_die_with_parent, close_fds=True).result()
-        finally:
-            log.close()
-        TURNS.spawned(self._turn, self._proc.pid)
-        try:
-            self._wait_ready()
-            self.n_vocab = self._read_vocab()
-        except BaseException:
-            self._stop()
-            raise
-
     def _read_vocab(self) -> int:
         """The model's vocabulary size, as the runner reports it (token ids are below it)."""
-        # Not the health poll's 5 s: a start may be held for its turn (class Turns) meanwhile.
-        conn = _UnixHTTP(str(self._socket), timeout=START_TIMEOUT_S)
+        # Not the health poll's 5 s: a start may be held for its turn (runner.Turns) meanwhile.
+        conn = UnixHTTP(str(self.child.socket), timeout=self.host.start_timeout_s)
         try:
             conn.request("GET", "/v1/models")
             rows = _json(conn.getresponse().read()).get("data") or [{}]
@@ -420,51 +244,26 @@ class _RunnerProcess(Backend):
                                      f"of {self.name} (ids 0 to {self.n_vocab - 1})",
                                      param=param)
 
-    def _wait_ready(self) -> None:
-        # The time its turn holds it (docs of Turns) is not the start's: a start behind a
-        # stream of earlier deadlines is slow, not failed.
-        held = self._turn.held()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline + self._turn.held() - held:
-            if self._proc is None or self._proc.poll() is not None:
-                raise RuntimeError(f"llama-server for {self.name} exited while loading "
-                                   f"({self._exit()}): {self._log_tail()}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                conn = _UnixHTTP(str(self._socket), timeout=5)
-                try:
-                    conn.request("GET", "/health")
-                    if conn.getresponse().status == 200:
-                        return
-                finally:
-                    conn.close()
-            time.sleep(0.01)
-        raise RuntimeError(f"llama-server for {self.name} was not serving after "
-                           f"{START_TIMEOUT_S:.0f} s: {self._log_tail()}")
-
     def unload(self) -> None:
-        self._unloaded = True
-        self._stop()
+        if self._child is not None:
+            self._child.stop()
 
-    def _stop(self) -> None:
-        proc, self._proc = self._proc, None
-        TURNS.spawned(self._turn, None)  # let go if paused, never paused again
-        if proc is not None and proc.poll() is None:
-            # Killed, not asked: nothing of a runner outlives it (no request is in flight when
-            # it is unloaded), and its own shutdown took 0.11-0.16 s that a model switch waited
-            # for (`scripts/runner_checks.py start`); killed, it is gone in milliseconds.
-            proc.kill()
-            proc.wait()
-        folder, self._dir = self._dir, None
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
+    def watch(self, report: ExitReport) -> None:
+        self.child.watch(report)
+
+    def exited(self, timeout_s: float) -> EngineExit | None:
+        return self.child.exited(timeout_s)
+
+    def log(self) -> str | None:
+        return str(self._child.log) if self._child is not None and self._child.log else None
 
     def release_weights(self) -> bool:
         """Hot -> warm: the runner drops its weights file's pages from its resident set and
         keeps running (its buffers, its slots' cache, its vocabulary). False if it is gone or
         could not: the scheduler unloads it."""
-        if self.dead():
+        if not self.child.alive():
             return False
-        TURNS.forget(self._turn)  # it is idle: if its turn had it stopped, it runs now
+        self.host.turns.forget(self.child.turn)  # it is idle: if its turn had it stopped, it runs
         try:
             done = self._pages("release")
         except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -477,7 +276,7 @@ class _RunnerProcess(Backend):
         """Warm -> hot: the runner reads its weights' pages back (from the page cache, or the
         file where the kernel took them), so the first request after does not fault them in.
         Raises RunnerGone if the runner died while warm: the scheduler loads it anew."""
-        if self.dead():
+        if not self.child.alive():
             raise self._gone(None)
         try:
             self._pages("restore")
@@ -485,7 +284,7 @@ class _RunnerProcess(Backend):
             raise self._gone(exc) from exc
 
     def _pages(self, action: str) -> dict[str, Any]:
-        conn = _UnixHTTP(str(self._socket), timeout=PAGES_TIMEOUT_S)
+        conn = UnixHTTP(str(self.child.socket), timeout=PAGES_TIMEOUT_S)
         try:
             response = self._send(conn, "/packserve/pages", {"action": action})
             data = _json(response.read())
@@ -500,118 +299,61 @@ class _RunnerProcess(Backend):
         code. Not its proportional share: a weights file another process maps too (another
         server, a second runner of the same file) would halve it, and the model could not be
         loaded again in the room that figure reserves once the other process is gone."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
+        pid = self.child.pid
+        if pid is None or not self.child.alive():
             return 0
         if self.spec.device != "cpu":  # what the runner's pid holds on the card, by NVML
-            return runner_device_bytes(proc.pid, self.spec.device)
-        try:
-            for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Rss:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return 0
-        return 0
+            return runner_device_bytes(pid, self.spec.device)
+        return self.child.rss_bytes()
 
     def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
-        if not TURNS.enabled or self.spec.device != "cpu":
+        turns = self.host.turns
+        if not turns.enabled or self.spec.device != "cpu":
             return contextlib.nullcontext()
-        return TURNS.working(self._turn, deadline, slo_s)
+        return turns.working(self.child.turn, deadline, slo_s)
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._child.pid if self._child is not None else None
 
-    @property
-    def _socket(self) -> Path:
-        assert self._dir is not None
-        return self._dir / "llama.sock"
-
-    def _exit(self) -> str:
-        rc = self._proc.poll() if self._proc is not None else None
-        if rc is None:
-            return "stopped"
-        return f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-
-    def _log_tail(self, lines: int = 8) -> str:
-        if self._dir is None:
-            return ""
-        try:
-            text = (self._dir / "runner.log").read_text(errors="replace")
-        except OSError:
-            return ""
-        return " | ".join(line for line in text.splitlines()[-lines:] if line.strip())
+    def dead(self) -> bool:
+        """The runner is not serving: never started, stopped, or died after it loaded."""
+        return self._child is None or not self._child.alive()
 
     # -- requests (a lease's) ---------------------------------------------------------------
 
-    def _post(self, conn: _UnixHTTP, path: str, body: dict[str, Any], param: str
+    def _post(self, conn: UnixHTTP, path: str, body: dict[str, Any], param: str
               ) -> http.client.HTTPResponse:
-        """POST `body` as JSON; the response once it is a 200 (its body unread). A runner
-        that was dying when `conn` was made (killed, not reaped yet) is started again and the
-        request sent once more: nothing ran for it."""
+        """POST `body` as JSON; the response once it is a 200 (its body unread). A runner that
+        is gone is a RunnerGone: its death is the scheduler's to handle."""
         try:
             response = self._send(conn, path, body)
         except (OSError, http.client.HTTPException) as exc:
-            proc = self._proc
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                if proc is not None:
-                    proc.wait(timeout=1)  # a dying runner is gone within this
-            if not self.dead():
-                raise self._gone(exc) from exc
-            conn.close()
-            self._revive()
-            conn.retarget(str(self._socket))
-            try:
-                response = self._send(conn, path, body)
-            except (OSError, http.client.HTTPException) as again:
-                raise self._gone(again) from again
+            raise self._gone(exc) from exc
         if response.status != 200:
             data = _json(response.read())
             raise _error(data.get("error", {}), param, self.name)
         return response
 
     @staticmethod
-    def _send(conn: _UnixHTTP, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
+    def _send(conn: UnixHTTP, path: str, body: dict[str, Any]) -> http.client.HTTPResponse:
         conn.request("POST", path, body=json.dumps(body).encode(),
                      headers={"Content-Type": "application/json"})
         return conn.getresponse()
 
-    def _connect(self) -> _UnixHTTP:
+    def _connect(self) -> UnixHTTP:
         if self.dead():
-            self._revive()
-        return _UnixHTTP(str(self._socket), timeout=None)
-
-    def _revive(self) -> None:
-        """A request found the runner dead (it crashed after its load): start it again in
-        place, once per RESTART_WINDOW_S; the bytes were the model's all along. Requests that
-        were running in it have had their 503. A second death within the window stays dead:
-        503s until the model is evicted or an operator reloads it."""
-        with self._restart_lock:
-            if not self.dead():
-                return  # another request restarted it
-            TURNS.spawned(self._turn, None)  # its pid may be another process's soon
-            if self._unloaded:
-                raise self._gone(None)
-            now = time.monotonic()
-            if now - self._restarted_at < RESTART_WINDOW_S:
-                raise self._gone(None)
-            gone = self._gone(None)
-            self._restarted_at = now
-            self._stop()
-            try:
-                self._start()
-            except Exception as exc:
-                raise gone from exc
+            raise self._gone(None)
+        return UnixHTTP(str(self.child.socket), timeout=None)
 
     def _gone(self, exc: BaseException | None) -> RunnerGone:
-        alive = self._proc is not None and self._proc.poll() is None
-        why = f": {exc}" if exc is not None and alive else f" ({self._exit()})"
-        return RunnerGone(f"the llama-server runner of {self.name} is gone{why}",
+        if exc is not None and self.child.alive():
+            return RunnerGone(f"the llama-server runner of {self.name} failed: {exc}",
+                              retry_after_s=1)
+        done = self.child.exited(0.5)
+        why = done.cause if done is not None else "stopped"
+        return RunnerGone(f"the llama-server runner of {self.name} is gone ({why})",
                           retry_after_s=1)
-
-    def dead(self) -> bool:
-        """The runner exited (or was killed) after it loaded."""
-        return self._proc is None or self._proc.poll() is not None
 
     def _get(self, path: str) -> dict[str, Any]:
         conn = self._connect()
@@ -633,8 +375,7 @@ class _RunnerProcess(Backend):
             conn.close()
 
 
-
-class LlamaServerBackend(_RunnerProcess):
+class LlamaServerBackend(RunnerBackend):
     """A generation runner: chats and completions, `parallel` slots decoded together."""
 
     # Whether the model's chat template shows the tools it is given: llama.cpp's own probe of
@@ -685,10 +426,7 @@ class LlamaServerBackend(_RunnerProcess):
 
     def wire(self, request: GenerationRequest) -> Wire | None:
         """Plain chats and completions go to the runner as they are and its answer is relayed
-        (`api.relay`): no thread, no decoding of each event in the worker. A dead runner
-        answers None, so that the request takes `chat`/`complete`, which starts it again."""
-        if self.dead() or self._dir is None:
-            return None
+        (`api.relay`): no thread, no decoding of each event in the worker."""
         stream = request.stream
         body: dict[str, Any] = {**self._sampling(request.params), "stream": stream}
         completion = request.task is Task.COMPLETE
@@ -701,7 +439,7 @@ class LlamaServerBackend(_RunnerProcess):
             body["stream_options"] = {"include_usage": True}  # counted on the lease
             if request.usage_per_chunk:
                 body["timings_per_token"] = True  # api.relay makes them usage
-        return Wire(socket=str(self._socket), path=path, body=json.dumps(body).encode(),
+        return Wire(socket=str(self.child.socket), path=path, body=json.dumps(body).encode(),
                     served_as=self.name, usage_per_chunk=stream and request.usage_per_chunk,
                     # llama-server names text completions as it names chats
                     id_prefix=("chatcmpl-", "cmpl-") if completion else None)
@@ -776,7 +514,7 @@ class LlamaServerBackend(_RunnerProcess):
 
 
 
-class LlamaEmbedBackend(_RunnerProcess):
+class LlamaEmbedBackend(RunnerBackend):
     """An embedding runner (llama-server --embeddings): a GGUF encoder's pooled, normalised
     sentence vectors, and reranking by their cosine similarity (a bi-encoder, not a
     cross-encoder). Each input is tokenized by the runner first, so that an input over the
@@ -853,7 +591,7 @@ class LlamaEmbedBackend(_RunnerProcess):
             conn.close()
         return vectors, [len(row) for row in ids]
 
-    def _embed_rows(self, conn: _UnixHTTP, ids: list[list[int]]) -> npt.NDArray[np.float32]:
+    def _embed_rows(self, conn: UnixHTTP, ids: list[list[int]]) -> npt.NDArray[np.float32]:
         """The runner's vectors for token-id rows, in their order."""
         import numpy as np
 
@@ -870,7 +608,7 @@ class LlamaEmbedBackend(_RunnerProcess):
         return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype=np.float32)
                          for d in rows])
 
-    def _tokens(self, conn: _UnixHTTP, text: str, *, special: bool) -> list[int]:
+    def _tokens(self, conn: UnixHTTP, text: str, *, special: bool) -> list[int]:
         """`text`'s token ids as the runner reads it (with [CLS] and [SEP] when `special`),
         on `conn` (kept open between the calls of one request)."""
         # Special tokens written in the text ("[SEP]") are read as such, as BertTokenizer does.
@@ -931,7 +669,7 @@ def _object(arguments: str) -> object:
         return arguments
 
 
-def _events(response: http.client.HTTPResponse, backend: _RunnerProcess
+def _events(response: http.client.HTTPResponse, backend: RunnerBackend
             ) -> Iterator[dict[str, Any]]:
     while True:
         try:

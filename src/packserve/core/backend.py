@@ -11,6 +11,12 @@ Who calls what, and when:
   loop) and may assume `load()` has returned and `unload()` has not started. A chat or a
   completion reaches it as one `GenerationRequest` (core.request), which `Runner.generate`
   hands to the backend's `chat` or `complete` and `Runner.wire` to its `wire`.
+- An engine that runs in a process of its own (a runner) reports that process's death: after
+  each load or restore the scheduler calls `watch()`, and the backend calls the report it was
+  given once, from any thread, if the process ends while the scheduler holds it (not when the
+  backend stops it). The scheduler then takes the model out of service at once and loads it
+  again through its one load path (core.crashes says when). A request that found the engine
+  gone asks `exited()` before it is sent again.
 - A backend that serves several tasks or several catalog names (shared weights) must tolerate
   concurrent task calls; llama.cpp's and sentence-transformers' backends serialise them
   with their own lock (one context; one tokenizer with shared padding state).
@@ -187,6 +193,43 @@ class Wire:
     usage_per_chunk: bool = False  # its events carry the counts so far (llama.cpp's timings)
 
 
+@dataclass(frozen=True)
+class EngineExit:
+    """An engine process that ended on its own: how, and what its log said last."""
+
+    pid: int
+    status: int | None  # its exit status; None when a signal ended it
+    signal: str | None  # the signal's name ("SIGKILL"), when one did
+    # The kernel's OOM killer did it, by the evidence an unprivileged process can read (its
+    # cgroup's `memory.events` oom_kill count rose while it ran); None: no cgroup to read.
+    oom_kill: bool | None
+    log_tail: str  # the last lines of its log
+    log: str  # where its log is kept
+    hung: bool = False  # killed by its backend for not serving within its start deadline
+
+    @property
+    def cause(self) -> str:
+        """"SIGKILL (OOM kill)", "SIGSEGV", "exit status 1", "hung": the label metrics and
+        logs use."""
+        if self.hung:
+            return "hung"
+        what = self.signal if self.signal is not None else f"exit status {self.status}"
+        return f"{what} (OOM kill)" if self.oom_kill else what
+
+
+ExitReport = Callable[[EngineExit], None]
+
+
+class EngineDied(RuntimeError):
+    """Raised by `load()` or `restore_weights()` of an engine in a process of its own when that
+    process ended before it served, or was killed for not serving within its start deadline
+    (`exit.hung`). The scheduler counts it as a death of the model (core.crashes) besides a failed
+    load."""
+
+    def __init__(self, message: str, exit: EngineExit) -> None:
+        super().__init__(message)
+        self.exit = exit
+
 # Called with each new piece of text and the logprobs of the tokens that made it (empty unless
 # asked); returning False asks the backend to stop early.
 OnText = Callable[[str, Sequence[TokenLogprob]], bool]
@@ -287,6 +330,25 @@ class Backend:
     def complete(self, prompt: str | Sequence[int], params: GenerationParams,
                  on_text: OnText | None = None) -> Generated:
         raise TaskNotSupported(f"{self.name} cannot complete text")
+
+    def watch(self, report: ExitReport) -> None:
+        """Called by the scheduler, on the event loop, after each `load()` or
+        `restore_weights()` that succeeded: an engine in a process of its own calls `report`
+        once, from any thread, when that process ends on its own while loaded or warm (at once:
+        a reaper waits on it). Not called again for the same process; an `unload()` disarms
+        it. Engines in the worker process have no process to watch."""
+
+    def log(self) -> str | None:
+        """Where the engine's process writes its log, for an engine in a process of its own
+        (the newest, kept after the process ends); None for one in the worker."""
+        return None
+
+    def exited(self, timeout_s: float) -> EngineExit | None:
+        """How the engine's process ended, waiting up to `timeout_s` for it to; None while it
+        runs, and always for an engine in the worker. Called in a worker thread by a request
+        that found the engine unreachable, to tell a death (the request is sent again after
+        the reload) from another failure."""
+        return None
 
     def working(self, deadline: float, slo_s: float) -> contextlib.AbstractContextManager[None]:
         """Held by a request for as long as it uses this load, and by the scheduler around

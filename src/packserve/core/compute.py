@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import math
 import os
 import threading
 import time
@@ -103,8 +104,7 @@ class ComputeGate:
     def _wait_turn(self, t: Ticket, units: int) -> None:
         """Queue `t` by deadline; return holding `units`. Call with the condition held."""
         t0 = self.clock()
-        if t.deadline < t0:  # missed already: no more urgent than fresh work of its kind
-            t.deadline = t0 + t.slo_s
+        t.deadline = moved_on(t.deadline, t.slo_s, t0)
         entry = (t.deadline, next(self._seq), t)
         heapq.heappush(self._waiting, entry)
         while (self._waiting[0] is not entry
@@ -146,6 +146,17 @@ class Gates:
     def all(self) -> list[ComputeGate]:
         with self._lock:
             return list(self._gates.values())
+
+
+def moved_on(deadline: float, slo_s: float, now: float) -> float:
+    """The one deadline rule of the gates and the runners' turns (`backends.runner.Turns`): a
+    request already past its deadline competes as if it came again, its deadline moved on by
+    whole SLOs to the first one after `now` (so it is no more urgent than fresh work of its
+    kind, and a reading repeated a moment later gives the same answer)."""
+    if deadline >= now:
+        return deadline
+    slo = max(slo_s, 1e-3)
+    return deadline + slo * math.ceil((now - deadline) / slo)
 
 
 def usable_cores() -> int:

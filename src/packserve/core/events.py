@@ -117,8 +117,28 @@ class OperatorLoadEvent:
     kind: str = "operator_load"
 
 
+@dataclass(frozen=True)
+class CrashEvent:
+    """The engine process of `model` died on its own (a runner's: its reaper saw it, or its
+    start failed or hung past load_timeout_s), and what the crash rule made of it
+    (core.crashes). A front supervising this process counts it in
+    `packserve_engine_crashes{model,signal}`, beside its worker's own deaths."""
+
+    model: str  # catalog names sharing the weights, joined by "+"
+    device: str
+    pid: int
+    signal: str  # the cause: "SIGKILL", "SIGKILL (OOM kill)", "exit status 1", "hung"
+    doing: str  # serving, warm, loading
+    action: str  # reload, backoff, quarantine (core.crashes.Action)
+    retry_in_s: float  # until it may load again
+    deaths: int  # within crash_window_s, this one included
+    log: str  # where its log is kept
+    log_tail: str
+    kind: str = "crash"
+
+
 Event = (LoadEvent | LoadStartEvent | EvictEvent | LoadFailedEvent | RequestStartEvent
-         | RequestEvent | OperatorLoadEvent)
+         | RequestEvent | OperatorLoadEvent | CrashEvent)
 EventSink = Callable[[Event], None]
 
 _event_log = logging.getLogger("packserve.events")

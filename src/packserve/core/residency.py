@@ -30,6 +30,7 @@ from packserve.core.queue import Model
 from packserve.core.resident import Resident
 from packserve.core.status import (
     DeviceStatus,
+    LastCrash,
     Liveness,
     ModelStatus,
     PinStatus,
@@ -41,6 +42,11 @@ from packserve.types import State
 from packserve.units import format_bytes
 
 HOST = "cpu"  # the device whose budget host RAM is: warm copies of GPU models count there
+
+
+# Beyond load_timeout_s, how long a device lock or a load in its engine may still run before
+# the deep probe calls the scheduler wedged (`Residency.liveness`); at most a quarter of it.
+WEDGE_GRACE_S = 15.0
 
 
 class Residency:
@@ -366,7 +372,12 @@ class Residency:
                               by_path[p].label if p in by_path else "", seconds, source)
                         for p, source, seconds in (downloads.stalled(timeout_s)
                                                    if downloads is not None else ()))
-        stuck = (*(s for s in (*held, *loads, *queues) if s.seconds > timeout_s), *stalled)
+        # A lock or a load gets a grace beyond the timeout: a runner's start has a deadline of
+        # its own at load_timeout_s (not counting the time its CPU turn held it), which fails
+        # that load alone, and should come first.
+        grace = min(WEDGE_GRACE_S, timeout_s / 4)
+        stuck = (*(s for s in (*held, *loads) if s.seconds > timeout_s + grace),
+                 *(s for s in queues if s.seconds > timeout_s), *stalled)
         wedged = tuple(dict.fromkeys(name for s in stuck if s.kind == "load"
                                      for name in s.model.split("+")))
         return Liveness(load_timeout_s=timeout_s, locks=held, loads=loads, stuck=stuck,
@@ -381,8 +392,14 @@ class Residency:
 
     def model_rows(self) -> list[ModelStatus]:
         rows = []
+        now = self._clock()
         for m in self.models.values():
             res = m.resident
+            backend = res.backend or res.warm.backend
+            exit = res.last_exit
+            crash = None if exit is None or res.last_exit_at is None else LastCrash(
+                at=res.last_exit_at + self._wall_offset, cause=exit.cause, pid=exit.pid,
+                verdict=res.verdict, log=exit.log, log_tail=exit.log_tail)
             rows.append(ModelStatus(
                 name=m.spec.name, tasks=tuple(m.spec.tasks), state=res.state,
                 device=res.load.device, pinned=m.pinned, bytes_estimated=res.estimated,
@@ -391,7 +408,10 @@ class Residency:
                 load_seconds=res.load_seconds, error=res.error,
                 shares_weights_with=tuple(n for n in res.models if n != m.spec.name),
                 bytes_warm=res.warm.bytes if res.warm.kept else None,
-                restore_seconds=res.warm.restore_seconds))
+                restore_seconds=res.warm.restore_seconds, last_crash=crash,
+                restart_in_s=round(res.restart_at - now, 3) if res.restart_at > now else None,
+                log=(backend.log() if backend is not None else None)
+                or (exit.log if exit is not None else None)))
         return rows
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from packserve.core.backend import Backend, LoadSpec, Runner
+from packserve.core.backend import Backend, EngineExit, LoadSpec, Runner
 from packserve.core.policy import RATE_WINDOW
 from packserve.types import State
 
@@ -35,11 +35,11 @@ _C, _A, _L, _H, _U, _W, _F = (State.COLD, State.ADMITTING, State.LOADING, State.
 
 TRANSITIONS: Mapping[State, frozenset[State]] = {
     _C: frozenset({_A, _F}),  # a load starts; a quarantine
-    _W: frozenset({_A, _U}),  # a load restores it; the warm copy is unloaded
+    _W: frozenset({_A, _U, _C, _F}),  # a load restores it; unloaded; its process died
     _F: frozenset({_A, _C}),  # a load after the cooldown; an operator's load clears it
     _A: frozenset({_L, _F, _C, _W}),  # admitted; failed; abandoned or never fits (to rest)
     _L: frozenset({_H, _A, _U, _C, _W, _F}),  # hot; the engine undid it; measured over
-    _H: frozenset({_U}),  # evicted, offloaded, unloaded, retired
+    _H: frozenset({_U, _C, _F}),  # evicted, offloaded, unloaded, retired; its process died
     _U: frozenset({_C, _W, _F}),  # at rest: cold, warm, or failed if quarantined
 }
 """Where each state may go next (the comment says on what)."""
@@ -136,7 +136,15 @@ class Resident(Moves):
     load_seconds: float | None = None
     error: str | None = None
     failed_until: float = 0.0
-    quarantine: str | None = None  # why it stays FAILED until an operator loads it
+    quarantine: str | None = None  # why it stays FAILED until an operator loads it, or
+    quarantine_until: float | None = None  # this time (scheduler clock; None: the operator)
+    # Its engine process's deaths (scheduler clock, core.crashes), the last one's report and
+    # wall time, and when it may load again after one (a back-off).
+    deaths: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    last_exit: EngineExit | None = None
+    last_exit_at: float | None = None
+    verdict: str = ""  # what the last death meant, in words
+    restart_at: float = 0.0
     settled: asyncio.Event | None = None  # set when the unload in progress ends
     retired: list[Model] = field(default_factory=list)  # removed models still draining
     former: str = ""  # its label when the catalog last named it

@@ -26,7 +26,10 @@ Invariants (all state lives on the event loop thread; only backend calls run in 
   and the same through WARM) happens while holding D's lock (`self._locks`): two loads never
   count the same free bytes, and no load is measured while another load or unload on D moves
   its memory. Waiting for that lock is bounded by `load_wait_s`.
-- Weights leave a device only through `Tiers.evict_to` (which also makes warm copies).
+- Weights leave a device only through `Tiers.evict_to` (which also makes warm copies), or by
+  the death of their engine's process (`_lost`): that one needs no device lock, since the
+  kernel has freed its memory already and nothing is measured from it; it moves only a
+  resident at rest (HOT, WARM) whose backend is the one that died.
 - Lock order: a model's quota slot is taken before the device lock; nothing holds a device lock
   while waiting for a quota slot.
 """
@@ -42,10 +45,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from packserve.core.backend import BackendFactory, LoadSpec
+from packserve.core import crashes
+from packserve.core.backend import Backend, BackendFactory, EngineDied, EngineExit, LoadSpec, Runner
 from packserve.core.background import Background, Changed
 from packserve.core.catalog import DeviceBudget, Entry, ReconfigureReport, Served
 from packserve.core.events import (
+    CrashEvent,
     EventSink,
     LoadEvent,
     LoadFailedEvent,
@@ -105,6 +110,7 @@ class Scheduler:
         load_wait_s: float = 120.0,
         load_timeout_s: float = 600.0,
         failure_cooldown_s: float = 30.0,
+        crash_window_s: float = 300.0,
         pin_retry_s: tuple[float, float] = (1.0, 60.0),
         victim_policy: VictimPolicy | Mapping[str, VictimPolicy] | None = None,
         check_files: Callable[[LoadSpec], None] | None = None,
@@ -118,6 +124,9 @@ class Scheduler:
         self._clock = clock
         self._load_wait_s, self._load_timeout_s = load_wait_s, load_timeout_s
         self._cooldown_s = failure_cooldown_s
+        self._crash_window_s = crash_window_s
+        self._sleep = sleep
+        self._loop: asyncio.AbstractEventLoop | None = None  # where reapers report deaths
         self._check_files = check_files  # before every load; the server checks headers
         # Before that, files not on disk yet (Hub sources) are fetched, outside the locks.
         self._downloads = Downloads(fetcher, clock=clock) if fetcher is not None else None
@@ -277,11 +286,15 @@ class Scheduler:
                 raise ModelUnavailable(f"model {res.label}: packserve is shutting down",
                                        retry_after_s=LOCK_RETRY_AFTER_S)
             if res.quarantine is not None:
-                raise ModelUnavailable(
-                    f"model {res.label} is quarantined: {res.quarantine}; it stays unavailable "
-                    f"until an operator loads it again", retry_after_s=QUARANTINE_RETRY_AFTER_S)
+                self._quarantined(res)  # raises, unless its time is up
             if res.state is State.HOT:
                 return
+            wait = res.restart_at - self._clock()
+            if wait > 0 and not ignore_cooldown and res.flight.task is None:
+                # A back-off after its engine died again soon (core.crashes): requests wait
+                # it out, then the first of them loads it.
+                await self._sleep(min(wait, self._load_wait_s))
+                continue
             if res.state is State.UNLOADING:
                 assert res.settled is not None
                 await res.settled.wait()
@@ -443,6 +456,8 @@ class Scheduler:
                 except Exception as exc:
                     res.move(State.ADMITTING)  # the engine undid its own load: nothing held
                     reason = f"{type(exc).__name__}: {exc}"
+                    if isinstance(exc, EngineDied):  # its process died or hung: a death too
+                        self._died(res, exc.exit, "loading")
                     if retried or not is_memory_failure(exc):
                         raise self._failed(res, reason, self._clock() - t_load,
                                            twice=retried) from exc
@@ -484,6 +499,7 @@ class Scheduler:
         res.flight.engine_since = t0 = self._clock()  # the deep probe's: a load in its engine
         try:
             if res.warm.kept and await self._tiers.restore(res, turn):
+                self._watch(res)
                 return
             # No other model's objects alive: the live ones may be frozen out of the collector.
             alone = not self._residency.holds_others(res)
@@ -509,11 +525,108 @@ class Scheduler:
         res.warm.possible = None  # a new engine object: whether it can go warm is asked anew
         res.load_seconds = seconds
         res.publish(backend, self._clock())
+        self._watch(res)
         self._emit(LoadEvent(model=res.label, device=device, bytes_estimated=res.estimated,
                              bytes_measured=measured, seconds=seconds, reason="first use"))
         await self._evictions.shed(device, f"{res.label} measured more than its estimate",
                          cause="overshoot", keep=res)
         self._changed.fire()
+
+    # ----------------------------------------------------------------- deaths
+
+    def _watch(self, res: Resident) -> None:
+        """Arm the reaper's report of `res`'s newly published backend: its death reaches
+        `_lost` on the event loop, at once."""
+        backend = res.backend
+        assert backend is not None
+        loop = self._loop = asyncio.get_running_loop()
+
+        def report(exit: EngineExit) -> None:  # the reaper's thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: shutting down
+                loop.call_soon_threadsafe(self._lost, res, backend, exit)
+
+        backend.watch(report)
+
+    def _lost(self, res: Resident, backend: Backend, exit: EngineExit) -> None:
+        """The engine process of `res` died on its own. If `backend` is still what `res` holds
+        at rest (HOT, or WARM as its warm copy), `res` goes out of service now: COLD (FAILED
+        if the crash rule quarantines it), counted, its requests in flight failing on their
+        own, and the next request loading it through the one load path. A death seen in the
+        middle of a move (a release, a restore, an unload) is that move's to handle."""
+        if res.state is State.HOT and res.backend is backend:
+            res.backend = res.runner = None
+            doing = "serving"
+        elif res.state is State.WARM and res.warm.backend is backend:
+            res.warm.backend = None
+            doing = "warm"
+        else:
+            return
+        verdict = self._died(res, exit, doing)
+        res.move(State.FAILED if verdict.action is crashes.Action.QUARANTINE else State.COLD)
+        self._background.spawn(self._loader.run(backend.unload),
+                               f"packserve clean up {res.label}")
+        self._changed.fire()
+        if verdict.action is not crashes.Action.QUARANTINE:
+            pinned = [m for m in self._residency.models.values()
+                      if m.pinned and m.resident is res]
+            if pinned:  # a pin stays loaded: not waiting for a request
+                self._background.spawn(self._pins.load(pinned[:1]),
+                                       f"packserve reload pinned {res.label}")
+
+    def _died(self, res: Resident, exit: EngineExit, doing: str) -> crashes.Verdict:
+        """Count a death of `res`'s engine process and apply the crash rule: a back-off
+        (`restart_at`) or a quarantine, and the event that says so."""
+        now = self._clock()
+        cause = exit.cause
+        res.deaths.append(now)
+        verdict = crashes.judge(list(res.deaths), self._crash_window_s)
+        words = verdict.describe(self._crash_window_s)
+        res.last_exit, res.last_exit_at, res.verdict = exit, now, words
+        res.error = f"its engine process died ({cause}) while {doing}: {words}"
+        if verdict.action is crashes.Action.BACKOFF:
+            res.restart_at = now + verdict.delay_s
+        elif verdict.action is crashes.Action.QUARANTINE:
+            res.quarantine = f"its engine process died {verdict.deaths} times within " \
+                             f"crash_window_s, last {cause} while {doing}"
+            res.quarantine_until = now + verdict.delay_s
+        self._emit(CrashEvent(model=res.label, device=res.load.device, pid=exit.pid,
+                              signal=cause, doing=doing, action=verdict.action.value,
+                              retry_in_s=verdict.delay_s, deaths=verdict.deaths, log=exit.log,
+                              log_tail=exit.log_tail))
+        return verdict
+
+    async def recover(self, lease: Lease) -> Runner | None:
+        """A request found its engine unreachable before the engine took it: if the engine's
+        process died, see the death now (its reaper's report may not have come yet), load the
+        model again through the one load path and return the runner to send the request to
+        once more; None if the process lives (the failure was something else). Raises
+        PackserveError as a request for the model would (a back-off is waited out, a
+        quarantine is a 503)."""
+        res = self._residency.model(lease.model).resident
+        if res.runner is lease.runner and res.backend is not None:
+            backend = res.backend
+            exit = await asyncio.to_thread(backend.exited, 2.0)
+            if exit is None:
+                return None
+            self._lost(res, backend, exit)
+        await self._ensure_hot(res)
+        assert res.runner is not None
+        return res.runner
+
+    def _quarantined(self, res: Resident) -> None:
+        """Raise the 503 of quarantined `res`, or lift the quarantine if its time is up."""
+        until = res.quarantine_until
+        left = None if until is None else until - self._clock()
+        if left is not None and left <= 0:
+            res.quarantine = res.quarantine_until = None
+            if res.state is State.FAILED:
+                res.move(State.COLD)
+            return
+        raise ModelUnavailable(
+            f"model {res.label} is quarantined: {res.quarantine}; it stays unavailable "
+            + ("until an operator loads it again" if left is None else
+               f"for {left:.0f} s more, or until an operator loads it"),
+            retry_after_s=QUARANTINE_RETRY_AFTER_S if left is None else int(left) + 1)
 
     # ----------------------------------------------------------------- waiting
 
@@ -530,8 +643,9 @@ class Scheduler:
         """Operator action: load `name` now, clearing a failed state (cooldown or quarantine);
         once hot, an OperatorLoadEvent says so (the front lifts its quarantine on that alone)."""
         res = self._residency.model(name).resident
-        res.quarantine = None
-        res.failed_until = 0.0
+        res.quarantine = res.quarantine_until = None
+        res.failed_until = res.restart_at = 0.0
+        res.deaths.clear()
         if res.state is State.FAILED:
             res.move(State.COLD)
         await self._ensure_hot(res)
@@ -587,21 +701,30 @@ class Scheduler:
         self._residency.model(name).pinned = False
         self._changed.fire()  # its keep-alive may run from now on
 
-    def quarantine(self, name: str, reason: str) -> None:
-        """Mark `name`'s weights FAILED with `reason` until an operator loads them again.
+    def quarantine(self, name: str, reason: str, for_s: float | None = None) -> None:
+        """Mark `name`'s weights FAILED with `reason` for `for_s` seconds (None: until an
+        operator loads them again).
 
-        Called by the supervisor for a model whose engine crashed twice within crash_window_s.
-        New requests get ModelUnavailable naming the model and the reason; requests holding a
-        lease finish, then the weights are unloaded.
+        Called at a worker's start for a model whose engine crashed the worker three times
+        within crash_window_s (the front's supervisor applies core.crashes). New requests get
+        ModelUnavailable naming the model and the reason; requests holding a lease finish,
+        then the weights are unloaded.
         """
         res = self._residency.model(name).resident
         res.quarantine = reason
+        res.quarantine_until = None if for_s is None else self._clock() + for_s
         res.error = reason
         if res.state is State.COLD:
             res.move(State.FAILED)
         elif res.state is not State.FAILED:
             self._background.spawn(self._retirer.retire(res, f"quarantined: {reason}"),
                         f"packserve quarantine {res.label}")
+
+    def back_off(self, name: str, seconds: float) -> None:
+        """Let `name` load again only after `seconds`: its engine crashed the worker again
+        soon (core.crashes); called at the worker's start."""
+        res = self._residency.model(name).resident
+        res.restart_at = max(res.restart_at, self._clock() + seconds)
 
     def plan(self, name: str) -> Admission:
         """The dry run: what loading `name` now would evict, and why. Changes nothing."""

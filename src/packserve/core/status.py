@@ -19,6 +19,18 @@ class Download:
 
 
 @dataclass(frozen=True)
+class LastCrash:
+    """The last death of a model's engine process, and what it meant."""
+
+    at: float  # wall-clock seconds since the epoch
+    cause: str  # "SIGKILL", "SIGKILL (OOM kill)", "exit status 1", "hung"
+    pid: int
+    verdict: str  # core.crashes' words: loaded again, after a back-off, or quarantined
+    log: str  # where its log is kept
+    log_tail: str
+
+
+@dataclass(frozen=True)
 class ModelStatus:
     """One row of the residency view."""
 
@@ -38,6 +50,9 @@ class ModelStatus:
     bytes_warm: int | None = None  # what it holds while warm (engine objects, no weights)
     restore_seconds: float | None = None  # the last restore from warm
     download: Download | None = None  # its weights are being fetched (state: admitting)
+    last_crash: LastCrash | None = None
+    restart_in_s: float | None = None  # a back-off after a crash: it loads again after this
+    log: str | None = None  # its engine process's log, where it has one
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,9 @@ class FrontMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.crashes = Counter(
-            "packserve_engine_crashes", "Worker deaths charged to a model whose engine was "
-            "running (model=\"\" when none was)", ["model", "signal"], registry=self.registry)
+            "packserve_engine_crashes", "Engine process deaths: the worker's, charged to each "
+            "model whose engine was running (model=\"\" when none was), and each runner "
+            "process's, charged to its models", ["model", "signal"], registry=self.registry)
         self.worker_starts = Counter("packserve_worker_starts",
                                      "Worker processes started, the first one included",
                                      registry=self.registry)
@@ -87,6 +88,9 @@ class FrontMetrics:
     def on_crash(self, crash: Crash) -> None:
         for model in crash.charged or ("",):
             self.crashes.labels(model=model, signal=crash.cause).inc()
+
+    def on_runner_crash(self, model: str, cause: str) -> None:
+        self.crashes.labels(model=model, signal=cause).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -406,8 +410,8 @@ def _crash_message(crash: Crash, model: str, task: str) -> str:
                 f"request, because the load of {', '.join(crash.charged) or 'a model'} hung "
                 f"past load_timeout_s; a {task} is not sent again because it may not repeat; a "
                 f"new worker serves the next requests")
-    tail = (f"; {model} is now failed until an operator loads it (second crash within "
-            f"crash_window_s)" if model in crash.quarantined else
+    tail = (f"; {model} is now quarantined until crash_window_s has passed or an operator "
+            f"loads it (third crash within crash_window_s)" if model in crash.quarantined else
             "; a new worker serves the next requests (pinned models load at once, the others "
             "on first use)")
     return (f"the engine of model {model!r} crashed ({crash.cause}) while running this {task} "
@@ -461,6 +465,7 @@ async def run_front(config: Config, reload: Callable[[], Config] | None = None,
     reload the config and the keys on SIGHUP. Returns the exit status."""
     metrics = FrontMetrics()
     supervisor = Supervisor(config, on_crash=metrics.on_crash,
+                            on_runner_crash=metrics.on_runner_crash,
                             on_start=metrics.worker_starts.inc)
     front = Front(config, supervisor, metrics, reload, keys)
     app = create_front_app(front)

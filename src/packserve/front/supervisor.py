@@ -6,10 +6,14 @@ socket and its client. The worker tells the supervisor, over a pipe, when an eng
 and ends (packserve.worker.ControlChannel), so the supervisor can say who was running when the
 process died, whatever killed it (a native fault, the OOM killer, an operator's kill).
 
-Quarantine has one owner, this supervisor: it charges crashes, quarantines a model charged twice
-within crash_window_s, hands the quarantine to each new worker (PACKSERVE_QUARANTINE), and lifts
-it, with the model's charges, when the worker reports on the pipe that an operator's load of
-that model succeeded (`operator_loaded`). Nothing else clears it.
+A worker's death is charged to the models whose engine was running, and the crash rule every
+engine follows (core.crashes) decides what it costs each: the second charge within
+crash_window_s holds the model back for a back-off, the third quarantines it until the window
+has passed. This supervisor keeps the charges, hands the back-offs and quarantines to each new
+worker (PACKSERVE_QUARANTINE: each with its seconds left), and forgets them, with the model's
+charges, when the worker reports on the pipe that an operator's load of that model succeeded
+(`operator_loaded`). The deaths of runner processes are the worker's scheduler's to judge; the
+worker reports each on the pipe (`exit`) and `on_runner_crash` counts it.
 
 Invariants: everything here runs on the front's event loop; `Supervisor.current` is the newest
 generation; a `Worker.dead` future is resolved exactly once, after the process has exited and
@@ -37,6 +41,7 @@ from typing import Any
 
 from packserve import backoff
 from packserve.config import Config
+from packserve.core import crashes
 from packserve.front import upstream
 from packserve.worker import (
     ENV_CONFIG,
@@ -88,7 +93,7 @@ class Crash:
     at: float  # wall clock
     running: dict[str, Running]  # request id -> what it was running, at the moment of death
     charged: tuple[str, ...]  # models whose engine call (or load) was running
-    quarantined: tuple[str, ...]  # charged twice within crash_window_s: failed until loaded
+    quarantined: tuple[str, ...]  # its third charge within crash_window_s
 
     def fails(self, rid: str) -> Running | None:
         """The engine call `rid` was running if it cannot be sent again: a generation (not safe
@@ -114,6 +119,8 @@ class Worker:
     started_at: float
     # Called with a model's name when the worker reports that an operator's load of it succeeded.
     on_operator_load: Callable[[str], None]
+    # Called with a runner's models ("a+b") and its death's cause when the worker reports one.
+    on_runner_exit: Callable[[str, str], None] = lambda _model, _cause: None
     up: asyncio.Event = field(default_factory=asyncio.Event)
     up_at: float = 0.0
     dead: asyncio.Future[Crash | None] = field(
@@ -161,6 +168,8 @@ class Worker:
                 self.loading.pop(msg["model"], None)
         elif kind == "operator_loaded":
             self.on_operator_load(msg["model"])
+        elif kind == "exit":
+            self.on_runner_exit(str(msg["model"]), str(msg["signal"]))
 
 
 class Supervisor:
@@ -168,12 +177,14 @@ class Supervisor:
 
     def __init__(self, config: Config, *, python: str = sys.executable,
                  on_crash: Callable[[Crash], None] | None = None,
+                 on_runner_crash: Callable[[str, str], None] | None = None,
                  on_start: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  ping_s: float = PING_S, misses: int = MISSES) -> None:
         self.config = config
         self._python = python
         self._on_crash = on_crash
+        self._on_runner_crash = on_runner_crash
         self._on_start = on_start
         self._ping_s, self._misses = ping_s, misses
         self._clock = clock
@@ -186,6 +197,8 @@ class Supervisor:
         self.crashes: deque[Crash] = deque(maxlen=50)
         self._charges: dict[str, deque[float]] = {}
         self.quarantined: dict[str, str] = {}
+        # model -> (the crash rule's action, until when on this clock)
+        self._held: dict[str, tuple[crashes.Action, float]] = {}
         self.config_error: str | None = None  # the worker refused its config at start
         self.refused = asyncio.Event()  # set with config_error
         self._changed = asyncio.Event()
@@ -255,13 +268,44 @@ class Supervisor:
         quarantined, its charges are forgiven."""
         if self.quarantined.pop(model, None) is not None:
             log.info("%s: quarantine lifted by an operator's load", model)
+        self._held.pop(model, None)
         self._charges.pop(model, None)
+
+    def hold(self, model: str, verdict: crashes.Verdict, reason: str) -> None:
+        """Apply the crash rule's `verdict` on `model`: from the next worker on, it backs off
+        or is quarantined (with `reason`) for the verdict's seconds."""
+        if verdict.action is crashes.Action.RELOAD:
+            return
+        if verdict.action is crashes.Action.QUARANTINE:
+            self.quarantined[model] = reason
+        self._held[model] = (verdict.action, self._clock() + verdict.delay_s)
+
+    def _runner_exit(self, model: str, cause: str) -> None:
+        if self._on_runner_crash is not None:
+            for name in model.split("+"):
+                self._on_runner_crash(name, cause)
+
+    def _rules(self) -> dict[str, dict[str, object]]:
+        """What the next worker is told of each model the crash rule holds back: the action,
+        the reason and the seconds left; what has run out is forgotten."""
+        now = self._clock()
+        for model, (_action, until) in list(self._held.items()):
+            if until <= now:
+                del self._held[model]
+                self.quarantined.pop(model, None)
+        return {model: {"action": action.value, "for_s": until - now,
+                        "reason": self.quarantined.get(model, "")}
+                for model, (action, until) in self._held.items()}
 
     def view(self) -> dict[str, object]:
         worker = self.current
+        now = self._clock()
         return {"state": self.state.value, "pid": worker.pid if worker else None,
                 "generation": self._generation, "crashes": len(self.crashes),
-                "quarantined": dict(self.quarantined)}
+                "quarantined": dict(self.quarantined),
+                "backing_off": {m: round(until - now, 1) for m, (action, until)
+                                in self._held.items()
+                                if action is crashes.Action.BACKOFF and until > now}}
 
     # ------------------------------------------------------------------ internals
 
@@ -282,7 +326,7 @@ class Supervisor:
         socket_path = self._dir / f"worker-{gen}.sock"
         read_fd, write_fd = os.pipe()
         env = {**os.environ, ENV_CONFIG: str(config_path), ENV_SOCKET: str(socket_path),
-               ENV_CONTROL_FD: str(write_fd), ENV_QUARANTINE: json.dumps(self.quarantined),
+               ENV_CONTROL_FD: str(write_fd), ENV_QUARANTINE: json.dumps(self._rules()),
                ENV_FRONT_PID: str(os.getpid())}
         try:
             # Its own session: a Ctrl-C in the terminal reaches the front, which drains and
@@ -293,7 +337,8 @@ class Supervisor:
         finally:
             os.close(write_fd)
         worker = Worker(generation=gen, proc=proc, socket_path=socket_path,
-                        started_at=self._clock(), on_operator_load=self._operator_loaded)
+                        started_at=self._clock(), on_operator_load=self._operator_loaded,
+                        on_runner_exit=self._runner_exit)
         self.current = worker
         self.state = WorkerState.STARTING if gen == 1 else WorkerState.RESTARTING
         self._notify()
@@ -432,8 +477,10 @@ class Supervisor:
         for model, doing in charged.items():
             times = self._charges.setdefault(model, deque(maxlen=8))
             times.append(now)
-            if len(times) >= 2 and times[-1] - times[-2] <= window:
-                self.quarantined[model] = f"engine crashed: {cause} while {doing}"
+            verdict = crashes.judge(list(times), window)
+            self.hold(model, verdict, f"engine crashed: {cause} while {doing} "
+                                      f"({verdict.deaths} times within crash_window_s)")
+            if verdict.action is crashes.Action.QUARANTINE:
                 quarantined.append(model)
         crash = Crash(generation=worker.generation, pid=worker.pid, cause=cause, at=time.time(),
                       running=dict(worker.running), charged=tuple(charged),

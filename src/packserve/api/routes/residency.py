@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from packserve.api.services import Services, ServicesDep
+from packserve.logs import tail
 
 router = APIRouter()
 
@@ -53,6 +55,18 @@ def _admin(verb: str) -> Callable[[str, Services], Awaitable[dict[str, Any]]]:
         row = next(m for m in s.scheduler.models() if m.name == name)
         return {"model": name, "state": row.state.value, "pinned": row.pinned}
     return route
+
+
+@router.get("/v1/residency/{name:path}/log")
+async def engine_log(name: str, s: ServicesDep, lines: int = Query(default=50, ge=1, le=5000)
+                     ) -> dict[str, Any]:
+    """The last `lines` lines of the log of `name`'s engine process (its runner's: kept under
+    `data_dir/logs/runners` after it dies), with its last crash, if any."""
+    s.scheduler.spec_of(name)  # 404 for an unknown model
+    row = next(m for m in s.scheduler.models() if m.name == name)
+    return {"model": name, "state": row.state.value, "log": row.log,
+            "lines": tail(Path(row.log), lines) if row.log else [],
+            "last_crash": asdict(row.last_crash) if row.last_crash else None}
 
 
 for _verb in ("load", "unload", "offload", "pin", "unpin"):
