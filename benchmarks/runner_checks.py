@@ -13,7 +13,7 @@ and with a cache per slot. `contention`: two runners of SmolLM2 (every core each
 of 128 tokens each, alone and both at once, in each environment given (a variable set for the
 runners: `OMP_WAIT_POLICY=passive`, `GOMP_SPINCOUNT=10000`; `threads=1`, the runners' thread
 count, every core by default; `turns`, each chat held as the server holds a request, so that the
-runners take turns (backends.llama_server.Turns); an empty argument, nothing set; default:
+runners take turns (backends.runner.Turns); an empty argument, nothing set; default:
 nothing set, OMP_WAIT_POLICY=passive, then turns). Prints what it measured; asserts nothing.
 """
 

@@ -1,7 +1,7 @@
 """Compute goes to the tightest deadline, through the real server and the default catalog's
 runners: while a long completion streams from Gemma's runner (4 s SLO), embeddings (0.5 s) take
 the cores, and Gemma's runner is stopped for them (`[server] runner_turns`, on by default:
-backends.llama_server.Turns), then goes on generating."""
+backends.runner.Turns), then goes on generating."""
 
 from __future__ import annotations
 

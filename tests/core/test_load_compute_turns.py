@@ -1,6 +1,6 @@
 """A load competes for compute as the request it serves would: the scheduler holds the engine's
 `working` around a load and a restore, at the deadline and SLO of the earliest request waiting
-for it (runners on a CPU take turns by deadline, `backends.llama_server.Turns`), and a load
+for it (runners on a CPU take turns by deadline, `backends.runner.Turns`), and a load
 nobody waits on with a deadline (a pin) competes as a request due now, with the shortest SLO.
 The turn is taken when the engine call starts: a more urgent waiter that comes later does not
 move it."""

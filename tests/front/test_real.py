@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 
 from packserve.config import default_catalog_text
 from tests.factories import Served, serve_process
+from tests.factories.processes import runner_of
 
 pytestmark = pytest.mark.real
 
@@ -97,6 +100,36 @@ def test_sigsegv_mid_generation_with_real_engines(real_served: Served) -> None:
     assert crash["signal"] == "SIGSEGV" and crash["models"] == [SMOL]
     print(f"\nrecovery: first embedding from {MINILM} {recovery_s:.2f}s after SIGSEGV "
           f"(worker start + MiniLM load)")
+
+
+def test_a_killed_runner_is_seen_counted_and_its_log_kept(real_served: Served,
+                                                          tmp_path: Path) -> None:
+    """SIGKILL to SmolLM2's runner with no request in flight (what the OOM killer does):
+    /v1/residency leaves `hot` by itself, /metrics counts the death under the model and the
+    signal, `packserve logs` shows the runner's kept log and the crash, and the next chat loads
+    it again. (tests/api/test_runner_deaths.py has the crash rule in full.)"""
+    srv = real_served
+    with srv.client() as c:
+        assert c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 4}).status_code == 200
+        runner = runner_of("SmolLM2", parent=srv.worker_pid())
+        before = srv.metric("packserve_engine_crashes_total", model=SMOL, signal="SIGKILL")
+        os.kill(runner, signal.SIGKILL)
+        deadline = time.monotonic() + 30  # bounds the wait; asserts no time
+        while (row := next(m for m in c.get("/v1/residency").json()["models"]
+                           if m["name"] == SMOL))["state"] == "hot":
+            assert time.monotonic() < deadline, "the death was never seen"
+            time.sleep(0.02)
+        assert row["last_crash"]["cause"] == "SIGKILL" and row["last_crash"]["pid"] == runner
+        assert srv.metric("packserve_engine_crashes_total", model=SMOL,
+                          signal="SIGKILL") == before + 1
+        logs = subprocess.run([sys.executable, "-m", "packserve.cli", "logs", SMOL, "--url",
+                               srv.url, "-n", "3"], capture_output=True, text=True, timeout=60,
+                              check=True).stdout.splitlines()
+        assert logs[0].startswith(f"# last crash: SIGKILL (pid {runner})")
+        assert logs[1] == f"# {row['log']}" and 1 <= len(logs[2:]) <= 3
+        assert c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 4}).status_code == 200
+    crash = [e for e in srv.events("crash") if e.get("pid") == runner]
+    assert len(crash) == 1 and crash[0]["doing"] == "serving" and crash[0]["action"] == "reload"
 
 
 def test_a_first_start_says_in_readyz_what_it_is_assembling(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ waiter with the earliest deadline first (EDF). A request already past its deadli
 if it had just arrived (its deadline becomes now plus its SLO): under plain EDF the late requests
 would come first and make every later one late too, the domino effect that took SLO attainment
 from 92% to 65% in a 120 s bench trace. The llama.cpp runners, which compute in processes of
-their own, take turns by the same deadlines through `backends.llama_server.Turns`.
+their own, take turns by the same deadlines through `backends.runner.Turns`.
 
 How requests reach it: the HTTP layer sets `TICKET` (a context variable, so it travels into
 the worker thread with `asyncio.to_thread`) before calling the engine; backends wrap their
