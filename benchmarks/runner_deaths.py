@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -270,7 +271,7 @@ def logs_cli(url: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------- one round
 
 
-def one_round(n: int) -> dict[str, Any]:
+def one_round(n: int, keep: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="packserve-runner-deaths-") as tmp:
         folder = Path(tmp)
         opts = Options(out=folder, quick=True, data_dir=folder / "data", peers_dir=folder)
@@ -297,6 +298,9 @@ def one_round(n: int) -> dict[str, Any]:
         result["load_ended_after"] = {str(x["after_kill"]): x["ended_after_kill_s"]
                                       for x in result["loads"]}
         result["round"] = n
+        if keep is not None:  # the server's log and the runners' kept logs, for a reader
+            shutil.copytree(folder, keep / f"round-{n}",
+                            ignore=shutil.ignore_patterns("models", "*.gguf"))
         return result
 
 
@@ -492,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the JSON results file")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, a fresh server each")
     parser.add_argument("--quick", action="store_true", help="one round")
+    parser.add_argument("--keep", help="copy each round's server log and runner logs under "
+                        "this folder (round-N/)")
     args = parser.parse_args(argv)
     n = 1 if args.quick else args.rounds
     rest = sys.argv[1:] if argv is None else list(argv)
@@ -501,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(1, n + 1):
         console.print(f"[bold]{SCENARIO}[/]: round {i}/{n}")
         try:
-            rounds.append(one_round(i))
+            rounds.append(one_round(i, Path(args.keep) if args.keep else None))
         except Exception as exc:  # a round that broke is reported, not lost with the others
             errors.append(f"round {i}: {type(exc).__name__}: {exc}")
             console.print(f"[red]{errors[-1]}[/]")

@@ -136,3 +136,25 @@ def test_page_shows_engine_crashes_through_the_front(tmp_path: Path) -> None:
             assert f"pid {srv.worker_pid()}" in (tab.text_content("#worker") or "")
         finally:
             browser.close()
+
+
+def test_page_shows_a_runners_death_and_why(page: Page, page_server: Running) -> None:
+    """A runner killed (what the OOM killer does): the page lists its death under the engine
+    crashes, naming the models that share it, the cause and what the crash rule made of it."""
+    import os
+    import signal
+
+    from tests.factories.processes import runner_of
+
+    with page_server.client() as c:
+        assert c.post("/v1/residency/all-minilm-l6-v2/load").json()["state"] == "hot"
+        pid = runner_of("minilm")
+        os.kill(pid, signal.SIGKILL)
+        item = page.wait_for_selector("[data-testid=crashes] li[data-signal=SIGKILL]",
+                                      timeout=15_000)
+        assert item is not None
+        text = item.text_content() or ""
+        assert f"(pid {pid})" in text and "all-minilm-l6-v2" in text and "minilm-rerank" in text
+        assert "loaded again by its next request" in text
+        assert c.post("/v1/embeddings", json={"model": "all-minilm-l6-v2",
+                                              "input": "back"}).status_code == 200
