@@ -145,7 +145,7 @@ def _describe_operation(path: str, method: str, op: dict[str, Any], body_task: d
             errors["502"] = _OUTPUT_INVALID
     elif method == "post" and "/v1/residency/" in path:
         errors.update(_ADMIN_ERRORS)
-    elif path == "/v1/residency/plan":
+    elif path in ("/v1/residency/plan", "/v1/residency/{name}/log"):
         errors["404"] = _ADMIN_ERRORS["404"]
     elif path == "/v1/models/{model}":
         errors["404"] = _MODEL_ERRORS["404"]

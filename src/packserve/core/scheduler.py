@@ -126,7 +126,6 @@ class Scheduler:
         self._cooldown_s = failure_cooldown_s
         self._crash_window_s = crash_window_s
         self._sleep = sleep
-        self._loop: asyncio.AbstractEventLoop | None = None  # where reapers report deaths
         self._check_files = check_files  # before every load; the server checks headers
         # Before that, files not on disk yet (Hub sources) are fetched, outside the locks.
         self._downloads = Downloads(fetcher, clock=clock) if fetcher is not None else None
@@ -539,7 +538,7 @@ class Scheduler:
         `_lost` on the event loop, at once."""
         backend = res.backend
         assert backend is not None
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
 
         def report(exit: EngineExit) -> None:  # the reaper's thread
             with contextlib.suppress(RuntimeError):  # the loop is closed: shutting down
