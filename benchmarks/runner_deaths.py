@@ -313,7 +313,8 @@ def _loads(events: list[dict[str, Any]], kills: list[float]) -> list[dict[str, A
             continue
         ts = float(e["ts"])
         after = sum(1 for k in kills if k <= ts)
-        out.append({"seconds": e.get("seconds"), "reason": e.get("reason"),
+        out.append({"seconds": round(float(e.get("seconds") or 0.0), 3),
+                    "reason": e.get("reason"),
                     "tier_from": e.get("tier_from"), "after_kill": after,
                     "ended_after_kill_s": round(ts - kills[after - 1], 3) if after else None})
     return out

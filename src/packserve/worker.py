@@ -21,12 +21,10 @@ traceback of every thread to stderr if it crashes in native code (faulthandler).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import faulthandler
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,8 @@ from typing import Any
 # what fastapi.Request is: the front imports this module for its constants and never needs
 # FastAPI (~10 MiB and 0.2 s of its start-up).
 from starlette.requests import Request
+
+from packserve.pdeath import die_with_parent
 
 ENV_CONFIG = "PACKSERVE_WORKER_CONFIG"
 ENV_SOCKET = "PACKSERVE_WORKER_SOCKET"
@@ -113,11 +113,7 @@ class ControlChannel:
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL us when the front dies, however it dies: nobody can reach our
     socket then, and the device memory we hold is wanted by the next front's worker."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the front's stop() still ends us
+    if not die_with_parent():  # not Linux: the front's stop() still ends us
         return
     # The front died before prctl took effect. (Compared with the front's pid, not with 1:
     # in a container the front may itself be pid 1.)

@@ -55,12 +55,6 @@ def get(name: str) -> Engine:
     return engine
 
 
-def create_backend(spec: LoadSpec) -> Backend:
-    """The engine named by `spec.backend` builds the backend of `spec` (a runner's on the
-    default host: `factory` gives the server's)."""
-    return get(spec.backend).build(spec)
-
-
 def factory(host: RunnerHost) -> BackendFactory:
     """The server's backend factory: the engine named by a spec builds its backend, and an
     engine in a process of its own runs it on `host` (the worker's spawner, turns and logs)."""

@@ -20,7 +20,6 @@ routes, its JSON.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import http.client
 import logging
@@ -40,10 +39,10 @@ from pathlib import Path
 from packserve.core.backend import EngineDied, EngineExit, ExitReport
 from packserve.core.compute import moved_on
 from packserve.logs import tail
+from packserve.pdeath import die_with_parent
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 # A runner's log is kept beside its model's last few (the newest KEEP_LOGS), each trimmed to
 # its last TRIM_TO bytes once it passes TRIM_AT: a runner logs its warnings and errors only.
 KEEP_LOGS = 5
@@ -147,7 +146,7 @@ class Child:
             self._exited.clear()
             proc = self.host.spawner().submit(
                 subprocess.Popen, args, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
-                preexec_fn=_die_with_parent, close_fds=True).result()
+                preexec_fn=die_with_parent, close_fds=True).result()
         self._proc = proc
         self._oom_events = _memory_events(proc.pid)
         self._oom_before = _oom_kills(self._oom_events)
@@ -331,11 +330,6 @@ def _signal_name(rc: int) -> str | None:
         return signal.Signals(-rc).name
     except ValueError:
         return f"signal {-rc}"
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class UnixHTTP(http.client.HTTPConnection):
