@@ -1,8 +1,9 @@
 """`python -m benchmarks SCENARIO`, from a checkout: packing, overhead, cold starts, a mixed
 trace, peers, the front/worker split (reliability: memory, crash recovery, the hop, drain), a
-soak (memory, descriptors and threads under mixed traffic with evictions, from several API keys)
-and a pool on Ray Serve (routers compared on mixed traces; the entry point's cost; needs
-`packserve[pool]`).
+soak (memory, descriptors and threads under mixed traffic with evictions, from several API keys),
+a pool on Ray Serve (routers compared on mixed traces; the entry point's cost; needs
+`packserve[pool]`), and, only when named, models of real size (sizes: estimates, warm copies
+and first tokens at 1B-8B).
 
 The benchmarks live beside the package, not in it: they start their own servers (with the
 baseline victim policies of `benchmarks.baselines`), call engines directly and plot, which a
@@ -24,10 +25,13 @@ from pathlib import Path
 
 SCENARIOS = ("overhead", "packing", "coldstart", "trace", "peers", "reliability", "soak",
              "pool", "sim")
+# Run only when named: models of real size, gigabytes written and an hour on two cores.
+BY_NAME = ("sizes",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", choices=(*SCENARIOS, "all"), help="what to measure")
+    parser.add_argument("scenario", choices=(*SCENARIOS, *BY_NAME, "all"),
+                        help="what to measure (`all`: every one but sizes)")
     parser.add_argument("--quick", action="store_true",
                         help="every scenario at a tiny size (seconds, not minutes)")
     parser.add_argument("--out", default="benchmarks/results", help="results folder (JSON, PNG)")

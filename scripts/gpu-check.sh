@@ -29,12 +29,20 @@ fail() { say "$*"; exit 1; }
 usage() { echo "usage: scripts/gpu-check.sh --prepare [--no-compile] DIR | --prepared DIR | --dry-run [DIR]" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 mode=$1
+shift
+# --no-compile before or after DIR; anything else left over is refused, never ignored (a
+# mistyped flag would otherwise start the hour-long CUDA build)
 no_compile=false
-if [ "$mode" = --prepare ] && [ "${2:-}" = --no-compile ]; then
-  no_compile=true
-  shift
-fi
-dir=${2:-}
+dir=
+for arg in "$@"; do
+  case "$arg" in
+    --no-compile) [ "$mode" = --prepare ] || { say "--no-compile goes with --prepare"; usage; }
+                  no_compile=true ;;
+    -*) say "unknown option $arg"; usage ;;
+    *) [ -z "$dir" ] || { say "one DIR, not '$dir' and '$arg'"; usage; }
+       dir=$arg ;;
+  esac
+done
 case "$mode" in
   --prepare|--prepared) [ -n "$dir" ] || usage ;;
   --dry-run) ;;
@@ -221,6 +229,7 @@ prepare() {
     (cd "$dir" && find . -type f ! -name MANIFEST.txt -printf '%s %p\n' | sort -k2)
   } > "$dir/MANIFEST.txt"
   check_size "$dir" || exit 1
+  say "prepared; on the card (docs/gpu.md): $(basename "$dir")/gpu-check.sh --prepared $(basename "$dir")"
 }
 
 # --- on the GPU machine ------------------------------------------------------------------------

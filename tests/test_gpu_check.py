@@ -193,6 +193,19 @@ def test_prepared_refuses_a_folder_prepare_did_not_make(tmp_path: Path) -> None:
     assert "is not a prepared folder" in run.stderr
 
 
+@pytest.mark.parametrize("args", [["--prepare", "DIR", "--no-compil"],
+                                  ["--prepared", "--no-compile", "DIR"],
+                                  ["--prepare", "DIR", "OTHER"]])
+def test_an_argument_it_does_not_know_is_refused_before_anything_runs(
+        tmp_path: Path, args: list[str]) -> None:
+    """A mistyped flag once meant an hour-long CUDA build where `--no-compile` was meant."""
+    argv = [str(tmp_path / a) if a.isupper() else a for a in args]
+    run = subprocess.run(["bash", "scripts/gpu-check.sh", *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, check=False)
+    assert run.returncode == 2, run.stderr
+    assert "usage:" in run.stderr and not any(tmp_path.iterdir())
+
+
 def test_setup_server_only_finds_the_cached_cuda_build_and_touches_nothing(tmp_path: Path) -> None:
     """`setup.sh --server-only` (what --prepare builds llama-server with) answers with the
     folder `--plan` names for the same build, here already holding a binary: no build runs, no

@@ -72,3 +72,25 @@ def test_unreadable_model_file_is_a_config_error(tmp_path: Path) -> None:
     bad.write_bytes(b"GGUF not really")
     with pytest.raises(ConfigError, match=r"bad\.gguf"):
         read_facts(bad)
+
+
+def test_what_the_cpu_backend_repacks_counts_multiplied_matrices_and_a_tied_output() -> None:
+    """llama.cpp's AVX2 kernels take Q4_0/Q4_K/IQ4_NL/MXFP4 matrices of rows in eights in their
+    own layout: a copy of each at load (ggml-cpu/repack.cpp). Row lookups are never copied,
+    except the tied output's duplicate of the token embeddings, which is multiplied."""
+    q4 = [("token_embd.weight", "Q4_0", [2048, 128256], 100),
+          ("blk.0.attn_q.weight", "Q4_0", [2048, 2048], 10),
+          ("blk.0.ffn_down.weight", "Q4_K", [8192, 2048], 20),
+          ("blk.0.attn_norm.weight", "F32", [2048], 1),
+          ("blk.0.attn_k.weight", "Q4_0", [2048, 4], 3),  # 4 rows: not in eights
+          ("blk.0.attn_v.weight", "Q8_0", [2048, 512], 7)]
+    assert modelfiles.cpu_repacked_bytes(q4, lm_head=True) == 10 + 20 + 100
+    assert modelfiles.cpu_repacked_bytes(q4, lm_head=False) == 10 + 20  # an encoder
+    untied = [*q4, ("output.weight", "Q6_K", [2048, 128256], 50)]
+    assert modelfiles.cpu_repacked_bytes(untied, lm_head=True) == 10 + 20
+
+
+def test_the_default_gguf_models_repack_what_their_headers_say(tmp_path: Path) -> None:
+    gemma = read_facts(source_path("gemma-3-270m", tmp_path))
+    assert 11 * MIB < gemma.repacked_bytes < 13 * MIB  # its 27 Q4_K matrices; Q8_0 embeddings
+    assert read_facts(source_path("smollm2-135m-instruct", tmp_path)).repacked_bytes == 0  # Q4_1

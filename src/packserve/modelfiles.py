@@ -38,6 +38,7 @@ class ModelFacts:
     n_heads: int = 0  # attention (query) heads
     ffn_size: int = 0  # feed-forward width
     dtype: str = ""  # how the weights are stored: "F32", "Q4_K_M", "BF16", ... ("" unknown)
+    repacked_bytes: int = 0  # of a GGUF's, what llama.cpp's CPU backend copies (cpu_repacked_bytes)
 
 
 GGUF_MAGIC = b"GGUF"
@@ -113,7 +114,7 @@ def _check_safetensors(file: Path) -> None:
                           f"holds {data}")
 
 
-_CACHE_VERSION = 2  # bump when ModelFacts gains fields, so older rows are read again
+_CACHE_VERSION = 3  # bump when ModelFacts gains fields, so older rows are read again
 
 
 def file_identity(path: Path) -> tuple[int, int, int, int]:
@@ -197,7 +198,46 @@ def gguf_facts(reader: Any, path: Path) -> ModelFacts:
         n_heads=n_heads,
         ffn_size=field(f"{arch}.feed_forward_length"),
         dtype=_GGUF_FILE_TYPES.get(file_type, ""),
+        repacked_bytes=cpu_repacked_bytes(
+            [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.n_bytes))
+             for t in reader.tensors],
+            lm_head=f"{arch}.pooling_type" not in reader.fields and "bert" not in arch),
     )
+
+
+# What llama.cpp's CPU backend repacks at load on the build packserve makes (x86-64 with AVX2,
+# no AVX-512: scripts/setup.sh): matrices of these types whose rows come in eights
+# (ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type). Q2_K joins them with AVX-512.
+REPACKED_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"})
+# Matrices read by row lookup (GGML_OP_GET_ROWS), never multiplied: the CPU's repacked buffers
+# take only matrix products, so these stay in the file's mapping as they are.
+_LOOKUP_TENSORS = ("token_embd.", "pos_embd.", "token_types.", "per_layer_token_embd.")
+
+
+def cpu_repacked_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]],
+                       lm_head: bool) -> int:
+    """Bytes of a GGUF's weights that llama.cpp's CPU backend copies at load into the
+    interleaved layout of its kernels, from the tensors' (name, type, ggml dims, bytes).
+
+    Every multiplied matrix of a repacked type whose row count (dims[1]) is a multiple of 8.
+    A model that ties its output to its token embeddings (`lm_head` and no `output.weight`:
+    Llama 3.2, Gemma) multiplies by a duplicate of them, which is repacked like any other. The
+    copy is anonymous memory; with the file mapped (llama.cpp's default) the pages it was read
+    from stay mapped too, so a resident set holds these bytes twice."""
+    def repacked(kind: str, dims: Sequence[int]) -> bool:
+        return kind in REPACKED_TYPES and len(dims) >= 2 and dims[1] % 8 == 0
+
+    total = 0
+    names = {name for name, *_ in tensors}
+    for name, kind, dims, n_bytes in tensors:
+        if name.startswith(_LOOKUP_TENSORS):
+            if name == "token_embd.weight" and lm_head and "output.weight" not in names \
+                    and repacked(kind, dims):
+                total += n_bytes  # the tied output's duplicate
+            continue
+        if repacked(kind, dims):
+            total += n_bytes
+    return total
 
 
 # llama.cpp's `general.file_type` (enum llama_ftype) for the common cases.

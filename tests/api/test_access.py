@@ -53,8 +53,22 @@ def server(keys: tuple[Path, dict[str, str]],
         yield running
 
 
+_OPENED: list[openai.OpenAI] = []
+
+
 def sdk(server: Running, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+    """An SDK client for `key`, closed after the test (a socket left to the collector is an
+    error, charged to whichever test is running when it is collected)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+    _OPENED.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
 
 
 def bearer(key: str) -> dict[str, str]:

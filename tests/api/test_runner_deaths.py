@@ -111,9 +111,12 @@ def test_a_runner_killed_three_times(server: Running) -> None:
         assert c.post(f"/v1/residency/{CHAT}/load").json()["state"] == "hot"
         assert c.post("/v1/chat/completions", json=SHORT).status_code == 200
     crashes = [e for e in server.events if isinstance(e, CrashEvent)]
-    assert [(e.signal, e.doing, e.action, e.deaths) for e in crashes] == [
-        ("SIGKILL", "serving", "reload", 1), ("SIGKILL", "serving", "backoff", 2),
-        ("SIGKILL", "serving", "quarantine", 3)]
+    assert [(e.signal, e.action, e.deaths) for e in crashes] == [
+        ("SIGKILL", "reload", 1), ("SIGKILL", "backoff", 2), ("SIGKILL", "quarantine", 3)]
+    # the second and third died with no request; the first mid-stream, where the stream's own
+    # end may have released its lease before the reaper's report came
+    assert crashes[0].doing in ("serving", "idle")
+    assert [e.doing for e in crashes[1:]] == ["idle", "idle"]
     assert all(e.model == f"{CHAT}+smollm2-extract" for e in crashes)
 
 

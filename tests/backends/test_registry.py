@@ -87,8 +87,8 @@ def test_an_engine_registered_in_one_object_is_served_over_http(
         projection: Path, tmp_path: Path) -> None:
     config = config_from(tmp_path, _config_text(projection))
     assert config.models[0].concurrency == 2  # the engine's default
-    with serve(config) as running:
-        client = OpenAI(base_url=f"{running.url}/v1", api_key="unused")
+    with serve(config) as running, \
+            OpenAI(base_url=f"{running.url}/v1", api_key="unused") as client:
         out = client.embeddings.create(model="proj", input=["one two", "three"])
         assert [len(d.embedding) for d in out.data] == [8, 8]
         assert out.data[0].embedding != out.data[1].embedding

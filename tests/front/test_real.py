@@ -129,7 +129,7 @@ def test_a_killed_runner_is_seen_counted_and_its_log_kept(real_served: Served,
         assert logs[1] == f"# {row['log']}" and 1 <= len(logs[2:]) <= 3
         assert c.post(CHAT, json={**STORY, "stream": False, "max_tokens": 4}).status_code == 200
     crash = [e for e in srv.events("crash") if e.get("pid") == runner]
-    assert len(crash) == 1 and crash[0]["doing"] == "serving" and crash[0]["action"] == "reload"
+    assert len(crash) == 1 and crash[0]["doing"] == "idle" and crash[0]["action"] == "reload"
 
 
 def test_a_first_start_says_in_readyz_what_it_is_assembling(tmp_path: Path) -> None:

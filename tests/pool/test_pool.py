@@ -72,10 +72,15 @@ class Pool:
     admin: str  # an admin key
     keys: dict[str, str]  # name -> key, the limited ones
     over_budget: list[str] = field(default_factory=list)  # what the watcher saw
+    clients: list[openai.OpenAI] = field(default_factory=list)  # closed with the pool
 
     def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.served.url}/v1", api_key=key or self.admin,
-                             max_retries=0, timeout=180)
+        """An SDK client, closed when the pool stops (a socket left to the collector is an
+        error, charged to whichever test is running when it is collected)."""
+        client = openai.OpenAI(base_url=f"{self.served.url}/v1", api_key=key or self.admin,
+                               max_retries=0, timeout=180)
+        self.clients.append(client)
+        return client
 
     def view(self) -> dict[str, Any]:
         r = httpx.get(f"{self.served.url}/v1/pool", timeout=10,
@@ -137,6 +142,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
             finally:
                 stop.set()
                 watcher.join(10)
+                for client in p.clients:
+                    client.close()
 
 
 def test_a_second_request_lands_where_the_model_is_hot(pool: Pool) -> None:

@@ -554,7 +554,7 @@ class Scheduler:
         middle of a move (a release, a restore, an unload) is that move's to handle."""
         if res.state is State.HOT and res.backend is backend:
             res.backend = res.runner = None
-            doing = "serving"
+            doing = "serving" if res.leases else "idle"
         elif res.state is State.WARM and res.warm.backend is backend:
             res.warm.backend = None
             doing = "warm"

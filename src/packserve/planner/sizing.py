@@ -114,12 +114,13 @@ class Breakdown:
     overhead: int = 0
     gradients: int = 0
     optimizer: int = 0
+    repacked: int = 0  # a second copy of weights, laid out for the CPU's kernels (llama.cpp)
     assumptions: tuple[str, ...] = ()
 
     @property
     def total(self) -> int:
         return (self.weights + self.kv_cache + self.activations + self.overhead
-                + self.gradients + self.optimizer)
+                + self.gradients + self.optimizer + self.repacked)
 
 
 def bits_per_weight(precision: str) -> float:
@@ -242,7 +243,7 @@ def size_model(shape: ModelShape, work: Workload) -> Breakdown:
 
 
 def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
-                        shared_cache: bool = False) -> Breakdown:
+                        shared_cache: bool = False, repacked: int = 0) -> Breakdown:
     """What llama.cpp (llama-cpp-python 0.3.36, CPU) holds for a GGUF at `context` tokens,
     decoding `sequences` at once: each with its own KV cache, or with `shared_cache` all in
     one of `context` tokens (llama.cpp's unified KV cache).
@@ -262,10 +263,14 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
         kv_cache=kv_cache_bytes(arch, context, caches),
         overhead=(LLAMA_FIXED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * arch.vocab_size
                   + (sequences - 1) * arch.vocab_size * 4),
+        repacked=repacked,
         assumptions=(f"{shape.name}: llama.cpp, "
                      f"{format_bytes(shape.weight_bytes, compact=True)} of tensors "
-                     f"from the GGUF header, f16 KV cache for {how}, 20 MiB + 122 B per "
-                     f"vocabulary entry of runtime",))
+                     f"from the GGUF header"
+                     + (f" ({format_bytes(repacked, compact=True)} of them also repacked "
+                        f"for the CPU's kernels)" if repacked else "")
+                     + f", f16 KV cache for {how}, 20 MiB + 122 B per vocabulary entry of "
+                     f"runtime",))
 
 
 def llama_encoder_breakdown(shape: ModelShape) -> Breakdown:
