@@ -114,7 +114,7 @@ def _check_safetensors(file: Path) -> None:
                           f"holds {data}")
 
 
-_CACHE_VERSION = 3  # bump when ModelFacts gains fields, so older rows are read again
+_CACHE_VERSION = 4  # bump when ModelFacts gains fields, so older rows are read again
 
 
 def file_identity(path: Path) -> tuple[int, int, int, int]:
@@ -201,7 +201,7 @@ def gguf_facts(reader: Any, path: Path) -> ModelFacts:
         repacked_bytes=cpu_repacked_bytes(
             [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.n_bytes))
              for t in reader.tensors],
-            lm_head=f"{arch}.pooling_type" not in reader.fields and "bert" not in arch),
+            lm_head=not _encoder_only(arch)),
     )
 
 
@@ -214,28 +214,39 @@ REPACKED_TYPES = frozenset({"Q4_0", "Q4_K", "IQ4_NL", "MXFP4"})
 _LOOKUP_TENSORS = ("token_embd.", "pos_embd.", "token_types.", "per_layer_token_embd.")
 
 
+def _encoder_only(arch: str) -> bool:
+    """An architecture with no output layer (BERT and its kin, T5's encoder). A decoder used
+    for embeddings (Qwen3, Gemma's embedding models) still builds the tied output."""
+    return "bert" in arch or arch == "t5encoder"
+
+
 def cpu_repacked_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]],
                        lm_head: bool) -> int:
     """Bytes of a GGUF's weights that llama.cpp's CPU backend copies at load into the
     interleaved layout of its kernels, from the tensors' (name, type, ggml dims, bytes).
 
-    Every multiplied matrix of a repacked type whose row count (dims[1]) is a multiple of 8.
-    A model that ties its output to its token embeddings (`lm_head` and no `output.weight`:
-    Llama 3.2, Gemma) multiplies by a duplicate of them, which is repacked like any other. The
-    copy is anonymous memory; with the file mapped (llama.cpp's default) the pages it was read
-    from stay mapped too, so a resident set holds these bytes twice."""
-    def repacked(kind: str, dims: Sequence[int]) -> bool:
-        return kind in REPACKED_TYPES and len(dims) >= 2 and dims[1] % 8 == 0
+    Every multiplied matrix of a repacked type whose row count (dims[1]) is a multiple of 8:
+    the 2-D weights and the 3-D experts of a mixture (`*_exps.*`); not the layers llama.cpp
+    skips at load (`*.nextn.*`, the multi-token-prediction heads). A model that ties its output
+    to its token embeddings (`lm_head` and no `output.weight`: Llama 3.2, Gemma) multiplies by a
+    duplicate of them, which is repacked like any other. The copy is anonymous memory; with the
+    file mapped (llama.cpp's default) the pages it was read from stay mapped too, so a resident
+    set holds these bytes twice."""
+    def repacked(name: str, kind: str, dims: Sequence[int]) -> bool:
+        matrix = len(dims) == 2 or (len(dims) == 3 and "_exps." in name)
+        return kind in REPACKED_TYPES and matrix and dims[1] % 8 == 0
 
     total = 0
     names = {name for name, *_ in tensors}
     for name, kind, dims, n_bytes in tensors:
+        if ".nextn." in name:
+            continue
         if name.startswith(_LOOKUP_TENSORS):
             if name == "token_embd.weight" and lm_head and "output.weight" not in names \
-                    and repacked(kind, dims):
+                    and repacked(name, kind, dims):
                 total += n_bytes  # the tied output's duplicate
             continue
-        if repacked(kind, dims):
+        if repacked(name, kind, dims):
             total += n_bytes
     return total
 

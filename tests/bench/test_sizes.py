@@ -20,9 +20,10 @@ def test_quick_sizes_estimates_the_1b_q4_0_within_ten_percent(tmp_path: Path) ->
     assert main(["sizes", "--quick", "--out", str(out), "--data-dir", str(tmp_path / "data"),
                  "--no-progress"]) == 0
     data = json.loads((out / "sizes.json").read_text("utf-8"))
+    assert data["results"]["failed"] == []
     (row,) = data["results"]["rows"]
     assert (row["model"], row["context"]) == ("random-llama-3.2-1b-q4_0", 2048)
-    # the repacked copy counts: without it the estimate was half the resident set (0.51)
+    # the repacked copy counts: without it the estimate was about half the resident set
     resident = max(row["resident_after_load_bytes"], row["resident_after_request_bytes"])
     assert abs(row["estimate_bytes"] / resident - 1) <= ESTIMATE_BOUND, row
     assert 0 < row["warm_bytes"] < row["resident_after_request_bytes"]

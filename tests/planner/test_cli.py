@@ -11,7 +11,7 @@ import pytest
 from packserve.cli import main
 from packserve.config import default_catalog_text, load_config
 from packserve.planner.sizing import GPU_RUNTIME_BYTES
-from packserve.server import build_entries
+from packserve.server import resolve_models
 
 GB = 1_000_000_000
 
@@ -87,10 +87,13 @@ def test_plan_of_the_default_catalog_uses_the_admission_estimate(
     models = {m["name"]: m for m in report["models"]}
     # shared loads count once, as in the server
     assert set(models) == {"all-minilm-l6-v2", "smollm2-135m-instruct", "gemma-3-270m"}
-    admission = {e.spec.name: e.bytes_estimated for e in build_entries(load_config(config))}
+    admission = {r.spec.name: r.breakdown() for r in resolve_models(load_config(config))}
     for name, m in models.items():
-        # The server's estimate here (the CPU), and on a card each runner's own CUDA context.
-        assert m["total_bytes"] == admission[name] + GPU_RUNTIME_BYTES
+        # The server's estimate here (the CPU) less the copies only the CPU's kernels repack
+        # (Gemma's Q4_K matrices), and on a card each runner's own CUDA context.
+        here = admission[name]
+        assert m["total_bytes"] == here.total - here.repacked + GPU_RUNTIME_BYTES
+    assert admission["gemma-3-270m"].repacked > 0
     assert report["total_bytes"] == sum(m["total_bytes"] for m in models.values()) \
         + report["runtime_bytes"]
     assert all(g["count"] == 1 for g in report["gpus"])

@@ -253,6 +253,12 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
     entry for vocabulary tables, output and the touched part of the compute buffer, fitted to
     packserve's own measurements of the default models; one more f32 row of logits per
     sequence after the first (llama.cpp reserves its output buffer for `n_seq_max` rows).
+
+    `repacked`: bytes of weights the CPU backend copies at load into the layout of its kernels,
+    as the file's header says (`modelfiles.cpu_repacked_bytes`, read into `ModelFacts`); the
+    engine passes it for a load on the CPU and 0 on a GPU, where the weights go to the card as
+    they are. The copy is anonymous memory and the file's pages it was read from stay mapped
+    and resident beside it, so these bytes count twice.
     """
     arch = shape.arch
     caches = 1 if shared_cache else sequences
@@ -273,12 +279,12 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
                      f"runtime",))
 
 
-def llama_encoder_breakdown(shape: ModelShape) -> Breakdown:
+def llama_encoder_breakdown(shape: ModelShape, repacked: int = 0) -> Breakdown:
     """An embedding model in a llama-server runner: tensors as stored in the GGUF (no KV
     cache: an encoder attends within its batch) plus the runner's process, compute buffer
-    and vocabulary tables."""
+    and vocabulary tables; `repacked` as for `llama_cpp_breakdown` (on the CPU only)."""
     return Breakdown(
-        name=shape.name, weights=shape.weight_bytes,
+        name=shape.name, weights=shape.weight_bytes, repacked=repacked,
         overhead=LLAMA_EMBED_OVERHEAD + LLAMA_BYTES_PER_VOCAB * shape.arch.vocab_size,
         assumptions=(f"{shape.name}: llama.cpp embedding runner, "
                      f"{format_bytes(shape.weight_bytes, compact=True)} of tensors from the "
