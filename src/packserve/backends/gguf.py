@@ -24,11 +24,17 @@ def context(requested: int | None, facts: ModelFacts | None) -> int:
     return requested or min(DEFAULT_CONTEXT, trained or DEFAULT_CONTEXT)
 
 
+def repacked(facts: ModelFacts, load: LoadSpec) -> int:
+    """The bytes the load's kernels copy into their own layout: on the CPU, what the header
+    says it repacks; on a GPU none (the weights go to the card as they are)."""
+    return facts.repacked_bytes if load.device == "cpu" else 0
+
+
 def size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int) -> Breakdown:
     """One load's footprint from the file's header: `sequences` slots sharing one KV cache of
-    the load's context, or each its own (`parallel_cache = "per_slot"`); on the CPU, with the
-    copies its kernels repack (on a GPU the weights go to the card as they are)."""
+    the load's context, or each its own (`parallel_cache = "per_slot"`), and the copies its
+    kernels repack."""
     assert facts is not None  # reads_files
     return llama_cpp_breakdown(shape_of(facts, name), load.context_length, sequences,
                                shared_cache=sequences > 1 and not load.cache_per_slot,
-                               repacked=facts.repacked_bytes if load.device == "cpu" else 0)
+                               repacked=repacked(facts, load))

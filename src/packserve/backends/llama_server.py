@@ -732,8 +732,7 @@ def _embed_context(requested: int | None, facts: ModelFacts | None) -> int:
 def _embed_size(facts: ModelFacts | None, load: LoadSpec, name: str, sequences: int
                 ) -> Breakdown:
     assert facts is not None  # reads_files
-    return llama_encoder_breakdown(shape_of(facts, name),
-                                   repacked=facts.repacked_bytes if load.device == "cpu" else 0)
+    return llama_encoder_breakdown(shape_of(facts, name), repacked=gguf.repacked(facts, load))
 
 
 def _embed_source(path: Path) -> str | None:
