@@ -40,6 +40,7 @@ from benchmarks.common import (
     Report,
     console,
     packserve_argv,
+    rss_bytes,
     run_server,
 )
 from benchmarks.runner_deaths import find_runner
@@ -86,13 +87,6 @@ def _row(c: httpx.Client, name: str) -> dict[str, Any]:
     return row
 
 
-def _vmrss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 def _complete(c: httpx.Client, name: str, ids: list[int], max_tokens: int) -> float:
     """Seconds the client waits for a completion of `max_tokens` (EOS ignored) after `ids`."""
     t0 = time.monotonic()
@@ -128,14 +122,14 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path) -> dic
         c.post(f"/v1/residency/{name}/load").raise_for_status()
         load_s = time.monotonic() - t0
         runner, _ = find_runner(server.pid, gguf)
-        after_load = _vmrss(runner)
+        after_load = rss_bytes(runner)
         prefill_s = _complete(c, name, ids, 1)
-        after_request = _vmrss(runner)
+        after_request = rss_bytes(runner)
         # each first token from a prompt of its own: the slot's cache holds the last one, and
         # a hot or restored runner would reuse it where a new one cannot
         hot_s = _complete(c, name, short(), 1)
         c.post(f"/v1/residency/{name}/offload").raise_for_status()
-        warm = _vmrss(runner)
+        warm = rss_bytes(runner)
         restore_s = _complete(c, name, short(), 1)
         c.post(f"/v1/residency/{name}/unload").raise_for_status()
         reload_s = _complete(c, name, short(), 1)
