@@ -122,15 +122,18 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path) -> dic
         c.post(f"/v1/residency/{name}/load").raise_for_status()
         load_s = time.monotonic() - t0
         runner, _ = find_runner(server.pid, gguf)
+        mapped = _mapped(runner)
         after_load = rss_bytes(runner)
         prefill_s = _complete(c, name, ids, 1)
         after_request = rss_bytes(runner)
         # each first token from a prompt of its own: the slot's cache holds the last one, and
         # a hot or restored runner would reuse it where a new one cannot
         hot_s = _complete(c, name, short(), 1)
-        c.post(f"/v1/residency/{name}/offload").raise_for_status()
-        warm = rss_bytes(runner)
-        restore_s = _complete(c, name, short(), 1)
+        # a model read into memory (mostly repacked: backends.gguf.maps_weights) has no warm
+        # copy, and its offload unloads it
+        went = c.post(f"/v1/residency/{name}/offload").raise_for_status().json()["state"]
+        warm = rss_bytes(runner) if went == "warm" else None
+        restore_s = _complete(c, name, short(), 1) if went == "warm" else None
         c.post(f"/v1/residency/{name}/unload").raise_for_status()
         reload_s = _complete(c, name, short(), 1)
     resident = max(after_load, after_request)
@@ -139,10 +142,17 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path) -> dic
             "resident_after_load_bytes": after_load,
             "resident_after_request_bytes": after_request,
             "estimate_over_resident": estimate / resident,
-            "warm_bytes": warm, "warm_keeps": warm / after_request,
+            "mapped": mapped, "offload_to": went, "warm_bytes": warm,
+            "warm_keeps": None if warm is None else warm / after_request,
             "load_s": load_s, "prefill_s": prefill_s, "first_token_hot_s": hot_s,
             "first_token_after_restore_s": restore_s,
             "first_token_after_page_cache_load_s": reload_s}
+
+
+def _mapped(runner: int) -> bool:
+    """Whether the runner maps the weights file, by its command line."""
+    argv = Path(f"/proc/{runner}/cmdline").read_bytes().split(b"\0")
+    return b"--load-mode" not in argv
 
 
 def run(opts: Options) -> Report:
@@ -167,12 +177,14 @@ def run(opts: Options) -> Report:
                 continue
             rows.append(row)
             resident = max(row["resident_after_load_bytes"], row["resident_after_request_bytes"])
+            keeps = "no warm copy (read into memory)" if row["warm_keeps"] is None else \
+                f"warm keeps {row['warm_keeps']:.0%}"
+            restored = "-" if row["first_token_after_restore_s"] is None else \
+                f"{row['first_token_after_restore_s']:.2f}"
             console.print(f"  estimate {row['estimate_bytes'] / MIB:,.0f} MiB, resident "
                           f"{resident / MIB:,.0f} MiB ({row['estimate_over_resident']:.2f}); "
-                          "warm keeps "
-                          f"{row['warm_keeps']:.0%}; first token hot / restored / reloaded "
-                          f"{row['first_token_hot_s']:.2f} / "
-                          f"{row['first_token_after_restore_s']:.2f} / "
+                          f"{keeps}; first token hot / restored / reloaded "
+                          f"{row['first_token_hot_s']:.2f} / {restored} / "
                           f"{row['first_token_after_page_cache_load_s']:.2f} s")
     if not rows:
         raise RuntimeError(f"every model failed: {failed}")
@@ -186,7 +198,7 @@ def run(opts: Options) -> Report:
                   note=f"{high['model']} at {high['context']}")]
     # where a warm copy keeps at most a fifth of its hot bytes, a restore answers in at most
     # half the time of a load from the page cache (issue 41)
-    small = [r for r in rows if r["warm_keeps"] <= WARM_SMALL]
+    small = [r for r in rows if r["warm_keeps"] is not None and r["warm_keeps"] <= WARM_SMALL]
     worst_restore = max(small, default=None, key=lambda r: r["first_token_after_restore_s"]
                         / r["first_token_after_page_cache_load_s"])
     goals.append(Goal(

@@ -84,14 +84,16 @@ def test_what_the_cpu_backend_repacks_counts_multiplied_matrices_and_a_tied_outp
           ("blk.0.attn_norm.weight", "F32", [2048], 1),
           ("blk.0.attn_k.weight", "Q4_0", [2048, 4], 3),  # 4 rows: not in eights
           ("blk.0.attn_v.weight", "Q8_0", [2048, 512], 7)]
-    assert modelfiles.cpu_repacked_bytes(q4, lm_head=True) == 10 + 20 + 100
-    assert modelfiles.cpu_repacked_bytes(q4, lm_head=False) == 10 + 20  # an encoder
+    assert modelfiles.cpu_repacked(q4, lm_head=True) == {
+        "repacked_bytes": 10 + 20 + 100, "repacked_tied_bytes": 100}
+    assert modelfiles.cpu_repacked(q4, lm_head=False) == {  # an encoder
+        "repacked_bytes": 10 + 20, "repacked_tied_bytes": 0}
     untied = [*q4, ("output.weight", "Q6_K", [2048, 128256], 50)]
-    assert modelfiles.cpu_repacked_bytes(untied, lm_head=True) == 10 + 20
+    assert modelfiles.cpu_repacked(untied, lm_head=True)["repacked_bytes"] == 10 + 20
     moe = [("blk.0.ffn_up_exps.weight", "Q4_K", [2048, 768, 64], 40),  # experts: copied
            ("blk.0.attn_k_b.weight", "Q4_0", [128, 512, 16], 5),  # a 3-D product: not
            ("blk.9.nextn.eh_proj.weight", "Q4_0", [4096, 2048], 9)]  # skipped at load
-    assert modelfiles.cpu_repacked_bytes(moe, lm_head=True) == 40
+    assert modelfiles.cpu_repacked(moe, lm_head=True)["repacked_bytes"] == 40
 
 
 def test_the_default_gguf_models_repack_what_their_headers_say(tmp_path: Path) -> None:

@@ -38,7 +38,8 @@ class ModelFacts:
     n_heads: int = 0  # attention (query) heads
     ffn_size: int = 0  # feed-forward width
     dtype: str = ""  # how the weights are stored: "F32", "Q4_K_M", "BF16", ... ("" unknown)
-    repacked_bytes: int = 0  # of a GGUF's, what llama.cpp's CPU backend copies (cpu_repacked_bytes)
+    repacked_bytes: int = 0  # of a GGUF's, what llama.cpp's CPU backend copies (cpu_repacked)
+    repacked_tied_bytes: int = 0  # of those, a tied output's duplicate (the rest: the file's)
 
 
 GGUF_MAGIC = b"GGUF"
@@ -114,7 +115,7 @@ def _check_safetensors(file: Path) -> None:
                           f"holds {data}")
 
 
-_CACHE_VERSION = 4  # bump when ModelFacts gains fields, so older rows are read again
+_CACHE_VERSION = 5  # bump when ModelFacts gains fields, so older rows are read again
 
 
 def file_identity(path: Path) -> tuple[int, int, int, int]:
@@ -198,10 +199,8 @@ def gguf_facts(reader: Any, path: Path) -> ModelFacts:
         n_heads=n_heads,
         ffn_size=field(f"{arch}.feed_forward_length"),
         dtype=_GGUF_FILE_TYPES.get(file_type, ""),
-        repacked_bytes=cpu_repacked_bytes(
-            [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.n_bytes))
-             for t in reader.tensors],
-            lm_head=not _encoder_only(arch)),
+        **cpu_repacked([(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.n_bytes))
+                        for t in reader.tensors], lm_head=not _encoder_only(arch)),
     )
 
 
@@ -220,10 +219,11 @@ def _encoder_only(arch: str) -> bool:
     return "bert" in arch or arch == "t5encoder"
 
 
-def cpu_repacked_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]],
-                       lm_head: bool) -> int:
+def cpu_repacked(tensors: Sequence[tuple[str, str, Sequence[int], int]],
+                 lm_head: bool) -> dict[str, int]:
     """Bytes of a GGUF's weights that llama.cpp's CPU backend copies at load into the
-    interleaved layout of its kernels, from the tensors' (name, type, ggml dims, bytes).
+    interleaved layout of its kernels, from the tensors' (name, type, ggml dims, bytes):
+    `repacked_bytes`, and of them `repacked_tied_bytes`, a tied output's (ModelFacts' fields).
 
     Every multiplied matrix of a repacked type whose row count (dims[1]) is a multiple of 8:
     the 2-D weights and the 3-D experts of a mixture (`*_exps.*`); not the layers llama.cpp
@@ -231,12 +231,13 @@ def cpu_repacked_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]],
     to its token embeddings (`lm_head` and no `output.weight`: Llama 3.2, Gemma) multiplies by a
     duplicate of them, which is repacked like any other. The copy is anonymous memory; with the
     file mapped (llama.cpp's default) the pages it was read from stay mapped too, so a resident
-    set holds these bytes twice."""
+    set holds these bytes twice (`backends.gguf.reads_weights` says when packserve reads the
+    file into memory instead)."""
     def repacked(name: str, kind: str, dims: Sequence[int]) -> bool:
         matrix = len(dims) == 2 or (len(dims) == 3 and "_exps." in name)
         return kind in REPACKED_TYPES and matrix and dims[1] % 8 == 0
 
-    total = 0
+    total = tied = 0
     names = {name for name, *_ in tensors}
     for name, kind, dims, n_bytes in tensors:
         if ".nextn." in name:
@@ -244,11 +245,11 @@ def cpu_repacked_bytes(tensors: Sequence[tuple[str, str, Sequence[int], int]],
         if name.startswith(_LOOKUP_TENSORS):
             if name == "token_embd.weight" and lm_head and "output.weight" not in names \
                     and repacked(name, kind, dims):
-                total += n_bytes  # the tied output's duplicate
+                tied = n_bytes  # the tied output's duplicate
             continue
         if repacked(name, kind, dims):
             total += n_bytes
-    return total
+    return {"repacked_bytes": total + tied, "repacked_tied_bytes": tied}
 
 
 # llama.cpp's `general.file_type` (enum llama_ftype) for the common cases.

@@ -125,7 +125,7 @@ def resolve_models(config: Config, device: Callable[[str, Engine], str] = resolv
                                 engine.context(spec.context_length, facts), spec.max_batch,
                                 {"trust_remote_code": spec.trust_remote_code,
                                  "allow_pickle": spec.allow_pickle}, spec.threads or 0,
-                                spec.parallel or 0, spec.parallel_cache == "per_slot")
+                                spec.parallel or 0, spec.parallel_cache == "per_slot", facts)
         out.append(Resolved(spec=spec, engine=engine, load=load, facts=facts))
     return out
 

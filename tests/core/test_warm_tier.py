@@ -78,6 +78,30 @@ async def test_without_the_warm_tier_an_eviction_unloads() -> None:
     await s.close()
 
 
+async def test_a_warm_copy_that_keeps_most_of_its_bytes_is_unloaded_and_never_tried_again(
+) -> None:
+    """A copy that saves too little (llama.cpp's repacked weights stay in anonymous memory)
+    holds memory for no gain: the eviction unloads it, and the next one plans a cold one."""
+    h = harness([entry("a", 100, warm_mib=90), entry("b", 100), entry("c", 100)],
+                budget_mib=250, warm_tier=True)
+    s = h.scheduler
+    for name in ("a", "b", "c"):
+        await use(s, name)
+        h.clock.advance(1)
+    assert h.state("a") is State.COLD
+    assert h.control.releases == {"fake:100MiB?warm=90MiB": 1}
+    assert h.control.unloads == {"fake:100MiB?warm=90MiB": 1}
+    (evicted,) = h.events.of(EvictEvent)
+    assert (evicted.tier_to, evicted.bytes) == ("cold", 100 * MIB)
+    for name in ("a", "b", "c"):  # a evicted again (by c): no release is tried
+        await use(s, name)
+        h.clock.advance(1)
+    assert h.state("a") is State.COLD
+    assert h.control.releases == {"fake:100MiB?warm=90MiB": 1}
+    assert h.control.unloads["fake:100MiB?warm=90MiB"] == 2
+    await s.close()
+
+
 async def test_a_warm_copy_goes_cold_when_its_bytes_are_needed() -> None:
     h = _warm_pair(budget_mib=205)
     s = h.scheduler

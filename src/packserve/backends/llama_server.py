@@ -217,7 +217,8 @@ class RunnerBackend(Backend):
         """Where the weights go: every layer on the card, or none offloaded (a CUDA build's
         default, `-ngl auto`, would put a CPU model's layers on the card)."""
         if self.spec.device == "cpu":
-            return ["--device", "none"]
+            # mostly repacked weights are read, not mapped (gguf.maps_weights)
+            return ["--device", "none", *([] if self.spec.mapped else ["--load-mode", "none"])]
         return ["--device", "CUDA" + (self.spec.device.partition(":")[2] or "0"),
                 "--n-gpu-layers", "all"]
 
@@ -260,8 +261,9 @@ class RunnerBackend(Backend):
     def release_weights(self) -> bool:
         """Hot -> warm: the runner drops its weights file's pages from its resident set and
         keeps running (its buffers, its slots' cache, its vocabulary). False if it is gone or
-        could not: the scheduler unloads it."""
-        if not self.child.alive():
+        could not, or holds no mapping to give back (`LoadSpec.mapped`): the scheduler unloads
+        it."""
+        if not self.child.alive() or not self.spec.mapped:
             return False
         self.host.turns.forget(self.child.turn)  # it is idle: if its turn had it stopped, it runs
         try:
@@ -752,12 +754,12 @@ ENGINE = Engine(name="llama-server", tasks=frozenset({Task.CHAT, Task.COMPLETE})
                 check_source=gguf.check_source, context=gguf.context,
                 default_parallel=DEFAULT_PARALLEL,
                 sampling=frozenset({*EXTENSIONS, "continuous_usage_stats"}), token_ids=True,
-                cuda=runner_cuda, own_process=True)
+                cuda=runner_cuda, own_process=True, maps_weights=gguf.maps_weights)
 # Embeddings and bi-encoder rerank from a GGUF encoder (the default catalog's MiniLM, converted
 # from its safetensors folder): requests are batched (api/batching.py) into the runner's slots.
 EMBED_ENGINE = Engine(name="llama-server-embed", tasks=frozenset({Task.EMBED, Task.RERANK}),
                       default_concurrency=32, build=LlamaEmbedBackend, size=_embed_size,
                       check_source=_embed_source, context=_embed_context, convert=_to_gguf,
                       default_parallel=DEFAULT_PARALLEL, token_ids=True, cuda=runner_cuda,
-                      own_process=True)
+                      own_process=True, maps_weights=gguf.maps_weights)
 ENGINES = (ENGINE, EMBED_ENGINE)

@@ -62,6 +62,10 @@ class LoadSpec:
     # share one KV cache of `context_length` tokens or each has its own; part of the key.
     parallel: int = 1
     cache_per_slot: bool = False
+    # The weights file mapped into the engine's memory (its pages in the page cache, which a
+    # warm copy gives back), or read into memory of the engine's own (`Engine.maps_weights`).
+    # The file decides, so two entries of one key agree: not part of it.
+    mapped: bool = True
 
     @property
     def key(self) -> str:

@@ -35,6 +35,10 @@ def cpu_only() -> str | None:
     return "it runs on the CPU only"
 
 
+def always_mapped(facts: ModelFacts | None, device: str) -> bool:
+    return True
+
+
 def no_context(requested: int | None, facts: ModelFacts | None) -> int:
     """Engines without a KV cache: the entry's `context_length`, else 0 (the model's own)."""
     return requested or 0
@@ -73,6 +77,8 @@ class Engine:
       where NVIDIA's driver is there, to resolve `device = "auto"`: a model goes to the GPU only
       where its load can succeed there. It may import the engine's library (what a load would
       do anyway) and should cache its answer.
+    - `maps_weights` says whether a load on `device` maps the weights file (the default) or
+      reads it into the engine's own memory (`LoadSpec.mapped`), from what the file says.
     - `own_process`: each load runs in a process of its own (a runner). On a CUDA device that
       process holds a CUDA context of its own, which the load's bytes include: its estimate
       adds one (`Resolved.breakdown`), where an in-process engine shares its worker's.
@@ -95,6 +101,7 @@ class Engine:
     token_ids: bool = False
     cuda: Callable[[], str | None] = cpu_only
     own_process: bool = False
+    maps_weights: Callable[[ModelFacts | None, str], bool] = always_mapped
 
     def __post_init__(self) -> None:
         unknown = self.load_options - LOAD_OPTIONS
@@ -116,9 +123,9 @@ class Engine:
 
     def load_spec(self, path: Path, device: str, context: int, max_batch: int,
                   options: dict[str, bool], threads: int = 0, parallel: int = 0,
-                  cache_per_slot: bool = False) -> LoadSpec:
+                  cache_per_slot: bool = False, facts: ModelFacts | None = None) -> LoadSpec:
         """The load an entry asks for; options this engine ignores are left out of it.
-        `parallel` 0: the engine's default."""
+        `parallel` 0: the engine's default; `facts`: what the weights file says of itself."""
         def option(name: str) -> bool:
             return name in self.load_options and options.get(name, False)
 
@@ -127,4 +134,5 @@ class Engine:
                         trust_remote_code=option("trust_remote_code"),
                         allow_pickle=option("allow_pickle"),
                         parallel=(parallel or self.default_parallel) if self.default_parallel
-                        else 1, cache_per_slot=cache_per_slot and bool(self.default_parallel))
+                        else 1, cache_per_slot=cache_per_slot and bool(self.default_parallel),
+                        mapped=self.maps_weights(facts, device))

@@ -122,7 +122,8 @@ class Residency:
         """Whether an eviction of `res` now would try the warm tier: a warm copy that parks
         weights in host RAM (a GPU model's) only if the `cpu` budget has room for it."""
         return (res.load.device in self._warm_tier and res.warm.possible is not False
-                and res.quarantine is None and bool(res.models) and self._host_fits(res))
+                and not res.warm.too_big and res.quarantine is None and bool(res.models)
+                and self._host_fits(res))
 
     def host_copies(self) -> int:
         """Host RAM the warm copies of other devices' models hold: part of `cpu`'s budget."""

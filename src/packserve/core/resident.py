@@ -80,6 +80,7 @@ class WarmCopy:
     # host RAM the last one held besides (a GPU model's weights parked there); None: not yet
     host_seen: int | None = None
     possible: bool | None = None  # whether the engine has a warm state (None: not tried yet)
+    too_big: bool = False  # one kept most of its hot bytes (tiers.WARM_KEEPS_AT_MOST): no more
     restore_seconds: float | None = None  # the last restore's
 
     @property

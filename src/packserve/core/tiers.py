@@ -19,6 +19,10 @@ from packserve.types import State
 
 log = logging.getLogger("packserve.scheduler")
 
+# A warm copy that keeps more than this share of its hot bytes saves too little to hold: the
+# eviction unloads it instead, and the model's later evictions go cold (`WarmCopy.too_big`).
+WARM_KEEPS_AT_MOST = 0.8
+
 
 class Tiers:
     """Applies the scheduler's moves between tiers. Every method must be called holding the
@@ -53,6 +57,11 @@ class Tiers:
             if tier is State.WARM:
                 kept = await self._loader.release_weights(backend, res.load, res.bytes,
                                                           res.label)
+                if kept is not None and kept > WARM_KEEPS_AT_MOST * res.bytes:
+                    log.info("the warm copy of %s keeps %.0f%% of its bytes (%d of %d): it is "
+                             "unloaded, and goes cold from now on", res.label,
+                             100 * kept / max(res.bytes, 1), kept, res.bytes)
+                    res.warm.too_big, kept = True, None
                 res.warm.possible = kept is not None  # asked again only of a new engine object
             if kept is None:
                 res.warm.backend = None

@@ -254,11 +254,11 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
     packserve's own measurements of the default models; one more f32 row of logits per
     sequence after the first (llama.cpp reserves its output buffer for `n_seq_max` rows).
 
-    `repacked`: bytes of weights the CPU backend copies at load into the layout of its kernels,
-    as the file's header says (`modelfiles.cpu_repacked_bytes`, read into `ModelFacts`); the
-    engine passes it for a load on the CPU and 0 on a GPU, where the weights go to the card as
-    they are. The copy is anonymous memory and the file's pages it was read from stay mapped
-    and resident beside it, so these bytes count twice.
+    `repacked`: bytes of weights held twice because the CPU backend copies them at load into
+    the layout of its kernels, as the file's header says (`modelfiles.cpu_repacked`, read into
+    `ModelFacts`; `backends.gguf.repacked` says how many count twice): the copy is anonymous
+    memory, and with the file mapped, the pages it was read from stay resident beside it. 0 on
+    a GPU, where the weights go to the card as they are.
     """
     arch = shape.arch
     caches = 1 if shared_cache else sequences
@@ -273,8 +273,8 @@ def llama_cpp_breakdown(shape: ModelShape, context: int, sequences: int = 1,
         assumptions=(f"{shape.name}: llama.cpp, "
                      f"{format_bytes(shape.weight_bytes, compact=True)} of tensors "
                      f"from the GGUF header"
-                     + (f" ({format_bytes(repacked, compact=True)} of them also repacked "
-                        f"for the CPU's kernels)" if repacked else "")
+                     + (f" ({format_bytes(repacked, compact=True)} of them held twice: "
+                        f"repacked for the CPU's kernels)" if repacked else "")
                      + f", f16 KV cache for {how}, 20 MiB + 122 B per vocabulary entry of "
                      f"runtime",))
 
