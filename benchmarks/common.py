@@ -32,6 +32,7 @@ from packserve.types import Task
 console = Console(stderr=True)
 
 MIB = 1 << 20
+GIB = 1 << 30
 # The checkout the benchmarks are imported from (they are not installed with packserve).
 CHECKOUT = Path(__file__).resolve().parent.parent
 
@@ -183,7 +184,10 @@ class Server:
         return self.proc.pid
 
     def client(self, timeout: float = 300.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
+        """A client whose idle connections expire before the server's keep-alive (uvicorn's
+        and llama-server's 5 s): a request after a pause never meets one the server closed."""
+        return httpx.Client(base_url=self.url, timeout=timeout,
+                            limits=httpx.Limits(keepalive_expiry=2.0))
 
 
 @contextlib.contextmanager

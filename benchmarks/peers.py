@@ -294,7 +294,7 @@ def _switching(opts: Options, server: Path, preset: Path, rounds: int, cycles: i
          pct["packserve"][0.5], None, pct["router"][0.5], None, _x(r50)],
         ["every request switches model: p90 (ms)", pct["packserve"][0.9], None,
          pct["router"][0.9], None, _x(r90)]]
-    profile = _switch_profile(log, measured_from)
+    profile = switch_profile(log, measured_from)
     return {"budget": SWITCH_BUDGET, "router_models_max": 1, "requests": len(lat["packserve"]),
             "packserve_evictions": evictions, "latency_ms": lat, "quantiles_ms": pct,
             "ratio_p50": r50, "ratio_p90": r90, "profile": profile,
@@ -302,7 +302,7 @@ def _switching(opts: Options, server: Path, preset: Path, rounds: int, cycles: i
                                   "packserve / router"], "rows": rows}}
 
 
-def _switch_profile(log: Path, offset: int) -> dict[str, Any]:
+def switch_profile(log: Path, offset: int) -> dict[str, Any]:
     """Where packserve's switches went, from its event log over the rounds: per model, how
     many times it came from cold and from warm and their median seconds, and how many times it
     left to warm and to cold and their median seconds."""

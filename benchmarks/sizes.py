@@ -32,13 +32,16 @@ from typing import Any
 
 import httpx
 
+from benchmarks import sizes_mix
 from benchmarks.common import (
     CHECKOUT,
+    GIB,
     MIB,
     Goal,
     Options,
     Report,
     console,
+    median,
     packserve_argv,
     rss_bytes,
     run_server,
@@ -53,6 +56,17 @@ FULL = (("random-llama-3.2-1b-q4_0", (2048, 8192)), ("random-llama-3.2-1b-q8_0",
         ("random-llama-3.1-8b-q4_0", (2048,)))
 QUICK = (("random-llama-3.2-1b-q4_0", (2048,)),)
 QUICK_PROMPT = 256
+ROUNDS = 3  # of every first-token wait and of the runs beside llama-server (--quick: 1)
+PEER, QUICK_PEER = (256, 64), (64, 16)  # (prompt, decode) tokens beside llama-server
+# every request switches between these two (a budget that holds one), against the router
+SWITCH = ("random-llama-3.2-3b-q4_0", "random-llama-3.2-3b-q8_0")
+QUICK_SWITCH = ("random-llama-3.2-1b-q4_0", "random-llama-3.2-1b-q8_0")
+SWITCH_CYCLES = 6  # requests a side each round
+# (models, context, budget, requests) competing for one budget; 0: the larger and half the
+# smaller estimate
+COMPETE = (("random-llama-3.2-1b-q8_0", "random-llama-3.2-3b-q8_0",
+            "random-llama-3.1-8b-q4_0"), 8192, 10 << 30, 30)
+QUICK_COMPETE = (("random-llama-3.2-1b-q4_0", "random-llama-3.2-1b-q8_0"), 2048, 0, 6)
 ESTIMATE_BOUND = 0.10  # the issue's goal: within ±10% of the resident set
 WARM_SMALL = 0.20  # a warm copy this small of its hot bytes must restore fast
 FIRST_TOKEN_IDS = 300  # ids below this are the vocabulary's specials, bytes and letters
@@ -101,8 +115,13 @@ def _complete(c: httpx.Client, name: str, ids: list[int], max_tokens: int) -> fl
     return waited
 
 
-def measure(name: str, gguf: Path, context: int, prompt: int, work: Path) -> dict[str, Any]:
-    """One model at one context, on a fresh server with an empty footprint store."""
+def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rounds: int,
+            peer: tuple[int, int] | None, peer_rounds: int) -> dict[str, Any]:
+    """One model at one context, on a fresh server with an empty footprint store: the
+    estimate against the resident set, what a warm copy keeps, `rounds` rounds of first-token
+    waits (hot, restored, loaded from the page cache), one cold load with the file's pages
+    dropped, and with `peer` (prompt, decode tokens) prefill and decode beside llama-server
+    run with the runner's own arguments."""
     data = work / "data"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
@@ -122,20 +141,33 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path) -> dic
         c.post(f"/v1/residency/{name}/load").raise_for_status()
         load_s = time.monotonic() - t0
         runner, _ = find_runner(server.pid, gguf)
-        mapped = _mapped(runner)
+        argv = sizes_mix.runner_argv(runner)
+        mapped = "--load-mode" not in argv
         after_load = rss_bytes(runner)
         prefill_s = _complete(c, name, ids, 1)
         after_request = rss_bytes(runner)
-        # each first token from a prompt of its own: the slot's cache holds the last one, and
-        # a hot or restored runner would reuse it where a new one cannot
-        hot_s = _complete(c, name, short(), 1)
-        # a model read into memory (mostly repacked: backends.gguf.maps_weights) has no warm
-        # copy, and its offload unloads it
-        went = c.post(f"/v1/residency/{name}/offload").raise_for_status().json()["state"]
-        warm = rss_bytes(runner) if went == "warm" else None
-        restore_s = _complete(c, name, short(), 1) if went == "warm" else None
+        warm: int | None = None
+        went = ""
+        timed: list[dict[str, float | None]] = []
+        for _ in range(rounds):
+            # each first token from a prompt of its own: the slot's cache holds the last one,
+            # and a hot or restored runner would reuse it where a new one cannot
+            hot_s = _complete(c, name, short(), 1)
+            # a model read into memory (mostly repacked: backends.gguf.maps_weights) has no
+            # warm copy, and its offload unloads it
+            went = c.post(f"/v1/residency/{name}/offload").raise_for_status().json()["state"]
+            if went == "warm" and warm is None:
+                warm = rss_bytes(find_runner(server.pid, gguf)[0])
+            restore_s = _complete(c, name, short(), 1) if went == "warm" else None
+            c.post(f"/v1/residency/{name}/unload").raise_for_status()
+            reload_s = _complete(c, name, short(), 1)
+            timed.append({"hot_s": hot_s, "restored_s": restore_s,
+                          "page_cache_load_s": reload_s})
         c.post(f"/v1/residency/{name}/unload").raise_for_status()
-        reload_s = _complete(c, name, short(), 1)
+        cached_after_drop = sizes_mix.drop_from_page_cache(gguf)
+        cold_s = _complete(c, name, short(), 1)
+        direct = None if peer is None else sizes_mix.versus_direct(
+            c, name, argv, vocab, peer_rounds, *peer, work / f"{name}-{context}-direct.log")
     resident = max(after_load, after_request)
     return {"model": name, "context": context, "prompt_tokens": prompt,
             "file_bytes": gguf.stat().st_size, "estimate_bytes": estimate,
@@ -144,15 +176,16 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path) -> dic
             "estimate_over_resident": estimate / resident,
             "mapped": mapped, "offload_to": went, "warm_bytes": warm,
             "warm_keeps": None if warm is None else warm / after_request,
-            "load_s": load_s, "prefill_s": prefill_s, "first_token_hot_s": hot_s,
-            "first_token_after_restore_s": restore_s,
-            "first_token_after_page_cache_load_s": reload_s}
-
-
-def _mapped(runner: int) -> bool:
-    """Whether the runner maps the weights file, by its command line."""
-    argv = Path(f"/proc/{runner}/cmdline").read_bytes().split(b"\0")
-    return b"--load-mode" not in argv
+            "load_s": load_s, "prefill_s": prefill_s, "rounds": timed,
+            "first_token_hot_s": median([t["hot_s"] for t in timed if t["hot_s"] is not None]),
+            "first_token_after_restore_s": None if warm is None else median(
+                [t["restored_s"] for t in timed if t["restored_s"] is not None]),
+            "first_token_after_page_cache_load_s": median(
+                [t["page_cache_load_s"] for t in timed if t["page_cache_load_s"] is not None]),
+            "restore_over_load_worst": None if warm is None else max(
+                (t["restored_s"] or 0) / (t["page_cache_load_s"] or 1) for t in timed),
+            "cached_share_after_drop": cached_after_drop,
+            "first_token_after_cold_load_s": cold_s, "versus_direct": direct}
 
 
 def run(opts: Options) -> Report:
@@ -163,31 +196,100 @@ def run(opts: Options) -> Report:
     models = tiny_models()
     rows: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
+    rounds = 1 if opts.quick else ROUNDS
+    peer = QUICK_PEER if opts.quick else PEER
     for name, contexts in plan:
         gguf = models.ensure_real_shape(name, folder, say=console.print)
         for context in contexts:
             prompt = QUICK_PROMPT if opts.quick else context - 64
             console.print(f"[bold]sizes[/]: {name} at {context} tokens, a {prompt}-token prompt")
             try:
-                row = measure(name, gguf, context, prompt, work)
+                row = measure(name, gguf, context, prompt, work, rounds=rounds,
+                              peer=peer if context == 2048 and "-8b-" not in name else None,
+                              peer_rounds=rounds)
             except Exception as exc:  # one model failing must not lose the others' rows
                 failed.append({"model": name, "context": context,
                                "error": f"{type(exc).__name__}: {exc}"})
                 console.print(f"[red]  failed: {failed[-1]['error']}[/]")
                 continue
             rows.append(row)
-            resident = max(row["resident_after_load_bytes"], row["resident_after_request_bytes"])
-            keeps = "no warm copy (read into memory)" if row["warm_keeps"] is None else \
-                f"warm keeps {row['warm_keeps']:.0%}"
-            restored = "-" if row["first_token_after_restore_s"] is None else \
-                f"{row['first_token_after_restore_s']:.2f}"
-            console.print(f"  estimate {row['estimate_bytes'] / MIB:,.0f} MiB, resident "
-                          f"{resident / MIB:,.0f} MiB ({row['estimate_over_resident']:.2f}); "
-                          f"{keeps}; first token hot / restored / reloaded "
-                          f"{row['first_token_hot_s']:.2f} / {restored} / "
-                          f"{row['first_token_after_page_cache_load_s']:.2f} s")
+            _say(row)
+    mixed: dict[str, Any] = {}
+    for part, go in (("switching", _switching), ("competing", _competing)):
+        console.print(f"[bold]sizes[/]: {part}")
+        try:
+            mixed[part] = go(opts, work, folder)
+        except Exception as exc:  # reported with the rows, never lost
+            failed.append({"model": part, "context": 0,
+                           "error": f"{type(exc).__name__}: {exc}"})
+            console.print(f"[red]  failed: {failed[-1]['error']}[/]")
     if not rows:
         raise RuntimeError(f"every model failed: {failed}")
+    return Report(scenario=SCENARIO, results={"rows": rows, "failed": failed, **mixed},
+                  goals=_goals(rows, mixed), notes=[
+        "random weights of real shapes (scripts/gpu/tiny_models.py); the random vocabulary "
+        "loads faster than Llama 3's real one",
+        "resident: the runner's VmRSS (its weights' file pages where it maps the file, its "
+        "repacked copies, KV cache and buffers); estimate: bytes_estimated before the first "
+        "load, no measurement remembered",
+        f"first token: the whole wait of a one-token completion of a {SHORT_PROMPT}-token "
+        f"prompt of its own (none in the slot's cache), as the client sees it; {rounds} "
+        "round(s) of hot, restored and page-cache load, medians in the row, every round kept; "
+        "the cold load after posix_fadvise(DONTNEED) of the file (cached_share_after_drop: "
+        "what mincore still found cached)",
+        "versus_direct: llama-server run with the runner's own command line (its socket "
+        "swapped for a TCP port) on the same file and cores, streamed, rounds alternating",
+        *(f"FAILED: {f['model']} at {f['context']}: {f['error']}" for f in failed)])
+
+
+def _say(row: dict[str, Any]) -> None:
+    resident = max(row["resident_after_load_bytes"], row["resident_after_request_bytes"])
+    keeps = "no warm copy (read into memory)" if row["warm_keeps"] is None else \
+        f"warm keeps {row['warm_keeps']:.0%}"
+    restored = "-" if row["first_token_after_restore_s"] is None else \
+        f"{row['first_token_after_restore_s']:.2f}"
+    console.print(f"  estimate {row['estimate_bytes'] / MIB:,.0f} MiB, resident "
+                  f"{resident / MIB:,.0f} MiB ({row['estimate_over_resident']:.2f}); "
+                  f"{keeps}; first token hot / restored / page cache / cold "
+                  f"{row['first_token_hot_s']:.2f} / {restored} / "
+                  f"{row['first_token_after_page_cache_load_s']:.2f} / "
+                  f"{row['first_token_after_cold_load_s']:.2f} s")
+    direct = row["versus_direct"]
+    if direct is not None:
+        console.print(f"  beside llama-server with the runner's arguments: prefill "
+                      f"{direct['prefill_ratio']:.2f}x, decode {direct['decode_ratio']:.2f}x")
+
+
+def _switching(opts: Options, work: Path, folder: Path) -> dict[str, Any]:
+    pair = QUICK_SWITCH if opts.quick else SWITCH
+    files = [(name, tiny_models().ensure_real_shape(name, folder, say=console.print))
+             for name in pair]
+    vocab = tiny_models().REAL_SHAPES[pair[0]].shape.vocab
+    out = sizes_mix.switching(work, files, vocab, 2048, rounds=1 if opts.quick else ROUNDS,
+                              cycles=2 if opts.quick else SWITCH_CYCLES)
+    console.print(f"  p50 {out['ratio_p50']:.2f}x, p90 {out['ratio_p90']:.2f}x the router's "
+                  f"at --models-max 1 ({out['tiers']})")
+    return out
+
+
+def _competing(opts: Options, work: Path, folder: Path) -> dict[str, Any]:
+    names, context, budget, requests = (QUICK_COMPETE if opts.quick else COMPETE)
+    files = [(name, tiny_models().ensure_real_shape(name, folder, say=console.print))
+             for name in names]
+    vocab = tiny_models().REAL_SHAPES[names[0]].shape.vocab
+    if budget == 0:  # the larger fits with half the smaller: they cannot both be hot
+        est = sizes_mix.estimates(work, files, context)
+        budget = max(est.values()) + min(est.values()) // 2
+    out = sizes_mix.competing(work, files, vocab, context, budget, requests,
+                              weights=list(range(len(names), 0, -1)))
+    console.print(f"  {requests} requests under {budget / GIB:.1f} GiB: runners at most "
+                  f"{out['rss_max_bytes'] / GIB:.2f} GiB, accounted at most "
+                  f"{out['accounted_max_bytes'] / GIB:.2f} GiB; {len(out['errors'])} errors, "
+                  f"{out['crashes']:.0f} crashes ({out['tiers']})")
+    return out
+
+
+def _goals(rows: list[dict[str, Any]], mixed: dict[str, Any]) -> list[Goal]:
     low = min(rows, key=lambda r: r["estimate_over_resident"])
     high = max(rows, key=lambda r: r["estimate_over_resident"])
     goals = [Goal(name="sizes: estimate / resident set, the lowest of every model and context",
@@ -197,25 +299,36 @@ def run(opts: Options) -> Report:
                   value=high["estimate_over_resident"], target=1 + ESTIMATE_BOUND, op="<=",
                   note=f"{high['model']} at {high['context']}")]
     # where a warm copy keeps at most a fifth of its hot bytes, a restore answers in at most
-    # half the time of a load from the page cache (issue 41)
+    # half the time of a load from the page cache (issue 41): the worst round of any
     small = [r for r in rows if r["warm_keeps"] is not None and r["warm_keeps"] <= WARM_SMALL]
-    worst_restore = max(small, default=None, key=lambda r: r["first_token_after_restore_s"]
-                        / r["first_token_after_page_cache_load_s"])
+    worst = max(small, default=None, key=lambda r: r["restore_over_load_worst"])
     goals.append(Goal(
-        name="sizes: restore / load from the page cache, first token, the worst warm copy "
-             f"that keeps <= {WARM_SMALL:.0%}",
-        value=None if worst_restore is None else
-        worst_restore["first_token_after_restore_s"]
-        / worst_restore["first_token_after_page_cache_load_s"],
-        target=0.5, op="<=",
-        note="no warm copy that small" if worst_restore is None else
-        f"{worst_restore['model']} at {worst_restore['context']}"))
-    return Report(scenario=SCENARIO, results={"rows": rows, "failed": failed}, goals=goals, notes=[
-        "random weights of real shapes (scripts/gpu/tiny_models.py); the random vocabulary "
-        "loads faster than Llama 3's real one",
-        "resident: the runner's VmRSS (its weights' file pages, its repacked copies, KV cache "
-        "and buffers); estimate: bytes_estimated before the first load, no measurement "
-        "remembered",
-        f"first token: the whole wait of a one-token completion of a {SHORT_PROMPT}-token "
-        "prompt of its own (none in the slot's cache), as the client sees it",
-        *(f"FAILED: {f['model']} at {f['context']}: {f['error']}" for f in failed)])
+        name="sizes: restore / load from the page cache, first token, the worst round of any "
+             f"warm copy that keeps <= {WARM_SMALL:.0%}",
+        value=None if worst is None else worst["restore_over_load_worst"], target=0.5,
+        op="<=", note="no warm copy that small" if worst is None else
+        f"{worst['model']} at {worst['context']}"))
+    direct = [r for r in rows if r["versus_direct"] is not None]
+    for key, what in (("prefill_ratio", "prefill"), ("decode_ratio", "decode")):
+        worst_d = min(direct, default=None, key=lambda r: r["versus_direct"][key] or 0)
+        goals.append(Goal(
+            name=f"sizes: {what} tokens/s / llama-server's with the runner's arguments, the "
+                 "lowest model's median",
+            value=None if worst_d is None else worst_d["versus_direct"][key], target=0.97,
+            op=">=", note="" if worst_d is None else worst_d["model"]))
+    switch = mixed.get("switching")
+    for q, target in (("p50", 0.5), ("p90", 1.0)):
+        goals.append(Goal(
+            name=f"sizes: every request switches between two files, {q}, packserve / the "
+                 "router at --models-max 1",
+            value=None if switch is None else switch[f"ratio_{q}"], target=target, op="<=",
+            note="" if switch is None else " and ".join(switch["models"])))
+    compete = mixed.get("competing")
+    over = None if compete is None else max(compete["rss_max_bytes"],
+                                            compete["accounted_max_bytes"]) / \
+        compete["budget_bytes"]
+    goals.append(Goal(name="sizes: models competing for one budget, the most the runners or "
+                           "the scheduler held / the budget", value=over, target=1.0, op="<=",
+                      note="" if compete is None else
+                      f"{len(compete['errors'])} errors, {compete['crashes']:.0f} crashes"))
+    return goals

@@ -2,7 +2,9 @@
 by a real `packserve serve`: its runner reads the mostly repacked file into memory instead of
 mapping it, its estimate before the first load is within the issue's ±10% of the runner's
 resident set, and an offload unloads it (no warm copy to keep). The tooling, that bound and
-those states are checked, never the timings."""
+those states are checked, never the timings. Its mixed parts run at the 1B's size: every
+request switching between the 1B's two files beside llama.cpp's router, and both competing
+for a budget that holds one, where neither the runners nor the scheduler may ever go over."""
 
 from __future__ import annotations
 
@@ -32,5 +34,15 @@ def test_quick_sizes_estimates_the_1b_q4_0_within_ten_percent(tmp_path: Path) ->
     assert abs(row["estimate_bytes"] / resident - 1) <= ESTIMATE_BOUND, row
     assert resident < row["file_bytes"] * 1.5, row  # mapped, it held 1,496 MiB of a 666 MiB file
     assert (row["offload_to"], row["warm_bytes"]) == ("cold", None)
+    assert row["cached_share_after_drop"] < 0.5, row  # the cold load read from the disk
+    assert row["versus_direct"]["rounds"] == 1
     estimates = [g for g in data["goals"] if "estimate" in g["name"]]
     assert len(estimates) == 2 and all(g["met"] for g in estimates), data["goals"]
+    switch = data["results"]["switching"]
+    assert len(switch["latency_s"]["packserve"]) == len(switch["latency_s"]["router"]) == 2
+    compete = data["results"]["competing"]
+    assert compete["errors"] == [] and compete["crashes"] == 0, compete
+    assert sum(m["answered"] for m in compete["per_model"].values()) == compete["requests"]
+    assert compete["samples"] > 0
+    assert compete["rss_max_bytes"] <= compete["budget_bytes"], compete
+    assert compete["accounted_max_bytes"] <= compete["budget_bytes"], compete
