@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_const", const="1",
                         help="overhead: run each API scenario once more under py-spy and add "
                         "the top functions of the front and the worker to the results")
+    parser.add_argument("--rows", choices=("full", "caches"),
+                        help="sizes: every row and the mixed parts (full, the default), or "
+                        "only the per-slot and 32k rows (caches)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -96,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = {k: str(getattr(args, k)) for k in ("rounds", "duration", "rate", "alpha", "cv",
                                                  "budget_fraction", "seed", "slo",
                                                  "policies", "repeat", "calibrate",
-                                                 "validate", "profile")
+                                                 "validate", "profile", "rows")
              if getattr(args, k) is not None}  # unset: each scenario's own default
     opts = Options(out=out, quick=args.quick, data_dir=Path(args.data_dir).expanduser(),
                    peers_dir=Path(args.peers_dir).resolve(), progress=not args.no_progress,

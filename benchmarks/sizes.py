@@ -3,19 +3,26 @@
 Models of real shape with random weights (`scripts/gpu/tiny_models.py`: Llama-3.2-1B and 3B in
 Q4_0 and Q8_0, Llama-3.1-8B in Q4_0), written once into `DATA_DIR/random-models`, each served
 alone by a fresh `packserve serve` with an empty footprint store, so that its estimate is the
-header's arithmetic and nothing remembered. For each model and context:
+header's arithmetic and nothing remembered. For each model, context and cache mode:
 
 - the estimate (`bytes_estimated` of `/v1/residency` before the load: the planner's figure
   too) against the runner's resident set (VmRSS) after the load and after a request whose
-  prompt fills the context (`--quick`: 256 tokens), and its error;
-- what its warm copy keeps (the runner's resident set after an offload, against hot);
+  prompt fills the context (up to 8k; at 32k and with `--quick`: 256 tokens), and its error;
+- what its warm copy keeps (the runner's resident set after an offload, against hot), or that
+  it has none (a file read into memory: its offload unloads it);
 - what the client waits for one token: hot, after a restore from warm, and after a load from
-  the page cache (an unload first), each the whole request.
+  the page cache (an unload first), ROUNDS rounds; then once with the file's pages dropped;
+- at 2k (1B and 3B) prefill and decode tokens/s beside llama-server run with the runner's own
+  arguments (`sizes_mix.versus_direct`).
+
+Then every request switching between the two 3B files against llama.cpp's router at
+`--models-max 1`, and the 1B Q8_0, 3B Q8_0 and 8B Q4_0 at 8k competing for 10 GiB
+(`sizes_mix.switching`, `sizes_mix.competing`); `--quick` runs both at the 1B's size.
 
 Answers are noise (random weights): requests send token ids and generate with `ignore_eos`.
-The random vocabulary loads faster than Llama 3's real one (its pieces are plain). Not yet
-here (issue 41): cold loads with the file out of the page cache, the router beside it, the
-switch between the 3B files, `--no-repack`, per-slot caches and the 10 GiB mixed trace.
+The random vocabulary loads faster than Llama 3's real one (its pieces are plain). Not here:
+`--no-repack` (measured by hand, docs/tuning.md) and the buffers llama.cpp logs at 32k (the
+32k rows check the estimate against the resident set after the load).
 """
 
 from __future__ import annotations
@@ -49,13 +56,20 @@ from benchmarks.common import (
 from benchmarks.runner_deaths import find_runner
 
 SCENARIO = "sizes"
-# (catalog name of scripts/gpu/tiny_models.py, contexts): 8k prefill only for the 1B (slow on
-# two cores); --quick: the 1B Q4_0 at 2k with a short prompt.
-FULL = (("random-llama-3.2-1b-q4_0", (2048, 8192)), ("random-llama-3.2-1b-q8_0", (2048, 8192)),
-        ("random-llama-3.2-3b-q4_0", (2048,)), ("random-llama-3.2-3b-q8_0", (2048,)),
-        ("random-llama-3.1-8b-q4_0", (2048,)))
-QUICK = (("random-llama-3.2-1b-q4_0", (2048,)),)
+# (catalog name of scripts/gpu/tiny_models.py, context, cache): a prompt that fills the context
+# up to 8k (8k only for the 1B: prefill is slow on two cores), a short one at 32k; the cache
+# "shared" (the default: the slots share one of the context) or "per_slot" (each its own).
+# --quick: the 1B Q4_0 at 2k with a short prompt; `--rows caches`: the per-slot and 32k rows.
+CACHES = (("random-llama-3.2-1b-q8_0", 2048, "per_slot"),
+          ("random-llama-3.2-1b-q8_0", 32768, "shared"),
+          ("random-llama-3.2-3b-q4_0", 32768, "shared"))
+FULL = (("random-llama-3.2-1b-q4_0", 2048, "shared"), ("random-llama-3.2-1b-q4_0", 8192, "shared"),
+        ("random-llama-3.2-1b-q8_0", 2048, "shared"), ("random-llama-3.2-1b-q8_0", 8192, "shared"),
+        ("random-llama-3.2-3b-q4_0", 2048, "shared"), ("random-llama-3.2-3b-q8_0", 2048, "shared"),
+        ("random-llama-3.1-8b-q4_0", 2048, "shared"), *CACHES)
+QUICK = (("random-llama-3.2-1b-q4_0", 2048, "shared"),)
 QUICK_PROMPT = 256
+LONGEST_FILLED = 8192  # contexts above it get a QUICK_PROMPT: the estimate is checked after load
 ROUNDS = 3  # of every first-token wait and of the runs beside llama-server (--quick: 1)
 PEER, QUICK_PEER = (256, 64), (64, 16)  # (prompt, decode) tokens beside llama-server
 # every request switches between these two (a budget that holds one), against the router
@@ -85,13 +99,15 @@ def tiny_models() -> ModuleType:
     return module
 
 
-def _config(path: Path, data: Path, name: str, gguf: Path, context: int) -> Path:
+def _config(path: Path, data: Path, name: str, gguf: Path, context: int,
+            cache: str = "shared") -> Path:
     path.write_text(
         f'[server]\ndata_dir = "{data}"\nlog_level = "warning"\nload_wait_s = 900\n'
         f'load_timeout_s = 900\nmodel_roots = ["{gguf.parent}"]\n'
         f'[devices.cpu]\nmemory_budget = "auto"\nheadroom = "256MiB"\n\n'
         f'[[models]]\nname = "{name}"\ntasks = ["complete"]\nbackend = "llama-server"\n'
-        f'source = "{gguf}"\ncontext_length = {context}\nmax_concurrency = 1\n', "utf-8")
+        f'source = "{gguf}"\ncontext_length = {context}\nmax_concurrency = 1\n'
+        f'parallel_cache = "{cache}"\n', "utf-8")
     return path
 
 
@@ -116,7 +132,8 @@ def _complete(c: httpx.Client, name: str, ids: list[int], max_tokens: int) -> fl
 
 
 def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rounds: int,
-            peer: tuple[int, int] | None, peer_rounds: int) -> dict[str, Any]:
+            peer: tuple[int, int] | None, peer_rounds: int, cache: str = "shared"
+            ) -> dict[str, Any]:
     """One model at one context, on a fresh server with an empty footprint store: the
     estimate against the resident set, what a warm copy keeps, `rounds` rounds of first-token
     waits (hot, restored, loaded from the page cache), one cold load with the file's pages
@@ -125,7 +142,7 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
     data = work / "data"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    config = _config(work / f"{name}-{context}.toml", data, name, gguf, context)
+    config = _config(work / f"{name}-{context}-{cache}.toml", data, name, gguf, context, cache)
     rng = random.Random(context)
     vocab = tiny_models().REAL_SHAPES[name].shape.vocab
     ids = [rng.randrange(FIRST_TOKEN_IDS, vocab) for _ in range(prompt)]
@@ -133,7 +150,7 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
     def short() -> list[int]:
         return [rng.randrange(FIRST_TOKEN_IDS, vocab) for _ in range(SHORT_PROMPT)]
 
-    log = work / f"{name}-{context}.log"
+    log = work / f"{name}-{context}-{cache}.log"
     with run_server(packserve_argv("--config", str(config)), health="/readyz",
                     log=log) as server, server.client(timeout=1800) as c:
         estimate = int(_row(c, name)["bytes_estimated"])
@@ -169,7 +186,7 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
         direct = None if peer is None else sizes_mix.versus_direct(
             c, name, argv, vocab, peer_rounds, *peer, work / f"{name}-{context}-direct.log")
     resident = max(after_load, after_request)
-    return {"model": name, "context": context, "prompt_tokens": prompt,
+    return {"model": name, "context": context, "cache": cache, "prompt_tokens": prompt,
             "file_bytes": gguf.stat().st_size, "estimate_bytes": estimate,
             "resident_after_load_bytes": after_load,
             "resident_after_request_bytes": after_request,
@@ -189,7 +206,8 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
 
 
 def run(opts: Options) -> Report:
-    plan = QUICK if opts.quick else FULL
+    only = opts.extra.get("rows", "full")
+    plan = QUICK if opts.quick else CACHES if only == "caches" else FULL
     work = opts.out / "work" / SCENARIO
     work.mkdir(parents=True, exist_ok=True)
     folder = opts.data_dir / "random-models"
@@ -198,24 +216,25 @@ def run(opts: Options) -> Report:
     failed: list[dict[str, Any]] = []
     rounds = 1 if opts.quick else ROUNDS
     peer = QUICK_PEER if opts.quick else PEER
-    for name, contexts in plan:
+    for name, context, cache in plan:
         gguf = models.ensure_real_shape(name, folder, say=console.print)
-        for context in contexts:
-            prompt = QUICK_PROMPT if opts.quick else context - 64
-            console.print(f"[bold]sizes[/]: {name} at {context} tokens, a {prompt}-token prompt")
-            try:
-                row = measure(name, gguf, context, prompt, work, rounds=rounds,
-                              peer=peer if context == 2048 and "-8b-" not in name else None,
-                              peer_rounds=rounds)
-            except Exception as exc:  # one model failing must not lose the others' rows
-                failed.append({"model": name, "context": context,
-                               "error": f"{type(exc).__name__}: {exc}"})
-                console.print(f"[red]  failed: {failed[-1]['error']}[/]")
-                continue
-            rows.append(row)
-            _say(row)
+        prompt = QUICK_PROMPT if opts.quick or context > LONGEST_FILLED else context - 64
+        console.print(f"[bold]sizes[/]: {name} at {context} tokens ({cache} cache), a "
+                      f"{prompt}-token prompt")
+        try:
+            row = measure(name, gguf, context, prompt, work, rounds=rounds, cache=cache,
+                          peer=peer if (context, cache) == (2048, "shared")
+                          and "-8b-" not in name else None, peer_rounds=rounds)
+        except Exception as exc:  # one model failing must not lose the others' rows
+            failed.append({"model": name, "context": context,
+                           "error": f"{type(exc).__name__}: {exc}"})
+            console.print(f"[red]  failed: {failed[-1]['error']}[/]")
+            continue
+        rows.append(row)
+        _say(row)
     mixed: dict[str, Any] = {}
-    for part, go in (("switching", _switching), ("competing", _competing)):
+    parts = () if only == "caches" else (("switching", _switching), ("competing", _competing))
+    for part, go in parts:
         console.print(f"[bold]sizes[/]: {part}")
         try:
             mixed[part] = go(opts, work, folder)
@@ -294,10 +313,10 @@ def _goals(rows: list[dict[str, Any]], mixed: dict[str, Any]) -> list[Goal]:
     high = max(rows, key=lambda r: r["estimate_over_resident"])
     goals = [Goal(name="sizes: estimate / resident set, the lowest of every model and context",
                   value=low["estimate_over_resident"], target=1 - ESTIMATE_BOUND, op=">=",
-                  note=f"{low['model']} at {low['context']}"),
+                  note=f"{low['model']} at {low['context']} ({low['cache']})"),
              Goal(name="sizes: estimate / resident set, the highest",
                   value=high["estimate_over_resident"], target=1 + ESTIMATE_BOUND, op="<=",
-                  note=f"{high['model']} at {high['context']}")]
+                  note=f"{high['model']} at {high['context']} ({high['cache']})")]
     # where a warm copy keeps at most a fifth of its hot bytes, a restore answers in at most
     # half the time of a load from the page cache (issue 41): the worst round of any
     small = [r for r in rows if r["warm_keeps"] is not None and r["warm_keeps"] <= WARM_SMALL]
