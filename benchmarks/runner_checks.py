@@ -6,6 +6,7 @@
     .venv/bin/python -m benchmarks.runner_checks warm     # the warm tier: bytes, release, restore
     .venv/bin/python -m benchmarks.runner_checks contention [NAME=VALUE ...]
                                               # two busy runners on the same cores
+    .venv/bin/python -m benchmarks.runner_checks load-modes  # Q4_0: mapped, read, no repack
 
 `drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
 tokens), then three times four at once; how many answers are identical, with the shared cache
@@ -14,7 +15,12 @@ of 128 tokens each, alone and both at once, in each environment given (a variabl
 runners: `OMP_WAIT_POLICY=passive`, `GOMP_SPINCOUNT=10000`; `threads=1`, the runners' thread
 count, every core by default; `turns`, each chat held as the server holds a request, so that the
 runners take turns (backends.runner.Turns); an empty argument, nothing set; default:
-nothing set, OMP_WAIT_POLICY=passive, then turns). Prints what it measured; asserts nothing.
+nothing set, OMP_WAIT_POLICY=passive, then turns). `load-modes`: llama-server alone with a
+runner's arguments on Llama-3.2-1B's and 3B's shapes in Q4_0 (random weights,
+`scripts/gpu/tiny_models.py`, in ~/.cache/packserve/random-models), the file mapped, read into
+memory (`--load-mode none`) and mapped without repacking (`--no-repack`): its resident set
+after a 200-token prompt and 32 tokens, and llama.cpp's own prefill and decode rates (docs/
+tuning.md). Prints what it measured; asserts nothing.
 """
 
 from __future__ import annotations
@@ -234,6 +240,36 @@ def warm() -> None:
               f"a new runner {med(starts) * 1000:.0f} ms")
 
 
+def load_modes() -> None:
+    import random
+
+    import httpx
+
+    from benchmarks.common import rss_bytes, run_server
+    from benchmarks.sizes import tiny_models
+    from packserve.backends.llama_server import binary
+
+    folder = Path.home() / ".cache" / "packserve" / "random-models"
+    n = str(len(os.sched_getaffinity(0)))
+    for name in ("random-llama-3.2-1b-q4_0", "random-llama-3.2-3b-q4_0"):
+        gguf = tiny_models().ensure_real_shape(name, folder, say=print)
+        for mode in ([], ["--load-mode", "none"], ["--no-repack"]):
+            argv = [str(binary()), "--model", str(gguf), "--host", "127.0.0.1", "--parallel",
+                    "1", "--threads", n, "--threads-batch", n, "--no-webui", "--offline",
+                    "--fit", "off", "--log-verbosity", "2", "--device", "none", "-c", "2048",
+                    *mode]
+            with run_server(argv, health="/health") as server, \
+                    httpx.Client(base_url=server.url, timeout=600) as c:
+                ids = [random.randrange(300, 128256) for _ in range(200)]
+                timings = c.post("/completion", json={
+                    "prompt": ids, "n_predict": 32, "ignore_eos": True,
+                    "cache_prompt": False}).raise_for_status().json()["timings"]
+                print(f"{name} {' '.join(mode) or '(mapped)'}: resident "
+                      f"{rss_bytes(server.pid) / 2**20:,.0f} MiB, prefill "
+                      f"{timings['prompt_per_second']:.1f} tokens/s, decode "
+                      f"{timings['predicted_per_second']:.1f} tokens/s")
+
+
 if __name__ == "__main__":
     {"drift": drift, "contention": contention, "start": start, "embed": embed,
-     "warm": warm}[sys.argv[1]]()
+     "warm": warm, "load-modes": load_modes}[sys.argv[1]]()

@@ -83,7 +83,7 @@ COMPETE = (("random-llama-3.2-1b-q8_0", "random-llama-3.2-3b-q8_0",
 QUICK_COMPETE = (("random-llama-3.2-1b-q4_0", "random-llama-3.2-1b-q8_0"), 2048, 0, 6)
 ESTIMATE_BOUND = 0.10  # the goal: within ±10% of the resident set
 WARM_SMALL = 0.20  # a warm copy this small of its hot bytes must restore fast
-FIRST_TOKEN_IDS = 300  # ids below this are the vocabulary's specials, bytes and letters
+FIRST_TOKEN_IDS = sizes_mix.FIRST_ID
 SHORT_PROMPT = 16  # tokens of the prompts whose first token is timed
 
 

@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -176,7 +177,8 @@ def config(path: Path, data: Path, models: Sequence[tuple[str, Path]], context: 
 def estimates(work: Path, models: Sequence[tuple[str, Path]], context: int) -> dict[str, int]:
     """Each model's estimate before any load (a server started for the question alone)."""
     data = work / "estimates-data"
-    data.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(data, ignore_errors=True)  # the header's arithmetic, nothing remembered
+    data.mkdir(parents=True)
     cfg = config(work / "estimates.toml", data, models, context, "auto", "256MiB")
     with run_server(packserve_argv("--config", str(cfg)), health="/readyz",
                     log=work / "estimates.log") as s, s.client() as c:
@@ -203,9 +205,10 @@ def switching(work: Path, models: Sequence[tuple[str, Path]], vocab: int, contex
     est = estimates(work, models, context)
     big, small = max(est.values()), min(est.values())
     budget = big + small // 2  # one fits, and a small warm copy beside it; not both hot
-    cfg = config(work / "switch.toml", work / "switch-data", models, context,
-                 f"{budget // MIB}MiB", "0")
-    (work / "switch-data").mkdir(parents=True, exist_ok=True)
+    data = work / "switch-data"
+    shutil.rmtree(data, ignore_errors=True)  # no footprint remembered from an earlier run
+    data.mkdir(parents=True)
+    cfg = config(work / "switch.toml", data, models, context, f"{budget // MIB}MiB", "0")
     preset = router.write_preset(work / "switch-router.ini",
                                  {name: {"model": str(g)} for name, g in models})
     rng = random.Random(7)
@@ -252,22 +255,27 @@ def _tiers(log: Path, offset: int) -> dict[str, int]:
 def _sampler(server_pid: int, c: httpx.Client, every_s: float) -> Iterator[dict[str, Any]]:
     """Sample, every `every_s`, the runners' resident set (every llama-server under the server,
     summed) and the scheduler's accounted bytes (`/v1/residency`'s cpu `used_bytes`)."""
-    seen: dict[str, Any] = {"rss_max": 0, "accounted_max": 0, "samples": 0}
+    seen: dict[str, Any] = {"rss_max": 0, "accounted_max": 0, "samples": 0,
+                            "accounted_samples": 0}
     stop = threading.Event()
+
+    def runners() -> list[int]:
+        out = []
+        for p in descendants(server_pid):
+            with contextlib.suppress(OSError):  # gone since: an eviction to cold
+                if "llama-server" in Path(f"/proc/{p}/comm").read_text():
+                    out.append(p)
+        return out
 
     def sample() -> None:
         while not stop.wait(every_s):
-            runners = [p for p in descendants(server_pid)
-                       if Path(f"/proc/{p}/comm").exists()
-                       and "llama-server" in Path(f"/proc/{p}/comm").read_text()]
-            with contextlib.suppress(OSError, ValueError):
-                total = sum(rss_bytes(p) for p in runners)
-                seen["rss_max"] = max(seen["rss_max"], total)
-            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-                devices = c.get("/v1/residency").json()["devices"]
+            seen["rss_max"] = max(seen["rss_max"], sum(rss_bytes(p) for p in runners()))
+            seen["samples"] += 1
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError, StopIteration):
+                devices = c.get("/v1/residency").raise_for_status().json()["devices"]
                 used = next(d["used_bytes"] for d in devices if d["name"] == "cpu")
                 seen["accounted_max"] = max(seen["accounted_max"], int(used))
-            seen["samples"] += 1
+                seen["accounted_samples"] += 1
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -285,7 +293,8 @@ def competing(work: Path, models: Sequence[tuple[str, Path]], vocab: int, contex
     tokens), while a sampler reads every runner's resident set and the accounted bytes. Every
     request answered, none over the budget, no runner died."""
     data = work / "budget-data"
-    data.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(data, ignore_errors=True)  # no footprint remembered from an earlier run
+    data.mkdir(parents=True)
     cfg = config(work / "budget.toml", data, models, context, f"{budget // MIB}MiB", "256MiB")
     log = work / "budget-packserve.log"
     names = [name for name, _ in models]
@@ -310,7 +319,7 @@ def competing(work: Path, models: Sequence[tuple[str, Path]], vocab: int, contex
         with _sampler(ps.pid, probe, 0.2) as seen, ThreadPoolExecutor(2) as pool:
             list(pool.map(one, range(requests)))
         wall = time.monotonic() - t0
-        metrics = c.get("/metrics").text
+        metrics = c.get("/metrics").raise_for_status().text
     crashes = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                   if line.startswith("packserve_engine_crashes_total{"))
     per_model = {name: {"answered": len(v), "p50_s": quantile(v, 0.5), "p90_s": quantile(v, 0.9)}
@@ -318,4 +327,5 @@ def competing(work: Path, models: Sequence[tuple[str, Path]], vocab: int, contex
     return {"models": names, "estimates": est, "budget_bytes": budget, "requests": requests,
             "wall_s": wall, "per_model": per_model, "errors": errors, "crashes": crashes,
             "rss_max_bytes": seen["rss_max"], "accounted_max_bytes": seen["accounted_max"],
-            "samples": seen["samples"], "tiers": _tiers(log, 0)}
+            "samples": seen["samples"], "accounted_samples": seen["accounted_samples"],
+            "tiers": _tiers(log, 0)}

@@ -46,7 +46,14 @@ from urllib.parse import quote, unquote
 from packserve import atomic
 from packserve.core.backend import LoadSpec
 from packserve.errors import ConfigError
-from packserve.modelfiles import ModelFacts, gguf_facts, safetensors_facts
+from packserve.modelfiles import (
+    ModelFacts,
+    gguf_arch,
+    gguf_facts,
+    gguf_tensors,
+    repacked_of,
+    safetensors_facts,
+)
 
 log = logging.getLogger("packserve.hub")
 
@@ -375,6 +382,7 @@ class Hub:
 
         facts: ModelFacts | None = None
         weight_bytes = n_params = 0
+        tensors: list[tuple[str, str, list[int], int]] = []
         for file in plan.files:  # every part of a split GGUF holds some of the tensors
             length = min(_HEAD_START, file.size)
             with tempfile.TemporaryDirectory(prefix="packserve-hub-") as tmp:
@@ -396,11 +404,14 @@ class Hub:
                     length = min(length * 2, file.size)
                 weight_bytes += sum(int(t.n_bytes) for t in reader.tensors)
                 n_params += sum(int(t.n_elements) for t in reader.tensors)
+                tensors += gguf_tensors(reader)
                 if facts is None:
-                    facts = gguf_facts(reader, sparse)
+                    facts, arch = gguf_facts(reader, sparse), gguf_arch(reader)
         assert facts is not None
+        # the repacked share over every part's tensors, as a load of the whole file sees them
         return _with(facts, path=path, weight_bytes=weight_bytes, n_params=n_params,
-                     file_bytes=plan.total_bytes)
+                     file_bytes=plan.total_bytes,
+                     **repacked_of(tensors, arch))
 
     def _safetensors_facts(self, plan: Plan, path: Path) -> ModelFacts:
         headers: list[dict[str, Any]] = []

@@ -176,8 +176,7 @@ def gguf_facts(reader: Any, path: Path) -> ModelFacts:
         value = f.contents()
         return int(value) if isinstance(value, int | float) else default
 
-    arch_field = reader.fields.get("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else "llama"
+    arch = gguf_arch(reader)
     n_heads = field(f"{arch}.attention.head_count")
     hidden = field(f"{arch}.embedding_length")
     head_dim = field(f"{arch}.attention.key_length") or (hidden // n_heads if n_heads else 0)
@@ -199,9 +198,27 @@ def gguf_facts(reader: Any, path: Path) -> ModelFacts:
         n_heads=n_heads,
         ffn_size=field(f"{arch}.feed_forward_length"),
         dtype=_GGUF_FILE_TYPES.get(file_type, ""),
-        **cpu_repacked([(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.n_bytes))
-                        for t in reader.tensors], lm_head=not _encoder_only(arch)),
+        **repacked_of(gguf_tensors(reader), arch),
     )
+
+
+def gguf_tensors(reader: Any) -> list[tuple[str, str, list[int], int]]:
+    """(name, type, ggml dims, bytes) of each tensor of a parsed GGUF (`gguf.GGUFReader`)."""
+    return [(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.n_bytes))
+            for t in reader.tensors]
+
+
+def gguf_arch(reader: Any) -> str:
+    """A parsed GGUF's `general.architecture` ("llama" when it does not say)."""
+    arch_field = reader.fields.get("general.architecture")
+    return str(arch_field.contents()) if arch_field is not None else "llama"
+
+
+def repacked_of(tensors: Sequence[tuple[str, str, Sequence[int], int]], arch: str
+                ) -> dict[str, int]:
+    """`cpu_repacked` of the tensors of a model of architecture `arch` (a split GGUF's: every
+    part's, so that a tied output is judged by all their names)."""
+    return cpu_repacked(tensors, lm_head=not _encoder_only(arch))
 
 
 # What llama.cpp's CPU backend repacks at load on the build packserve makes (x86-64 with AVX2,
@@ -231,7 +248,7 @@ def cpu_repacked(tensors: Sequence[tuple[str, str, Sequence[int], int]],
     to its token embeddings (`lm_head` and no `output.weight`: Llama 3.2, Gemma) multiplies by a
     duplicate of them, which is repacked like any other. The copy is anonymous memory; with the
     file mapped (llama.cpp's default) the pages it was read from stay mapped too, so a resident
-    set holds these bytes twice (`backends.gguf.reads_weights` says when packserve reads the
+    set holds these bytes twice (`backends.gguf.maps_weights` says when packserve reads the
     file into memory instead)."""
     def repacked(name: str, kind: str, dims: Sequence[int]) -> bool:
         matrix = len(dims) == 2 or (len(dims) == 3 and "_exps." in name)

@@ -32,9 +32,9 @@ def test_quick_sizes_estimates_the_1b_q4_0_within_ten_percent(tmp_path: Path) ->
     assert row["mapped"] is False
     resident = max(row["resident_after_load_bytes"], row["resident_after_request_bytes"])
     assert abs(row["estimate_bytes"] / resident - 1) <= ESTIMATE_BOUND, row
-    assert resident < row["file_bytes"] * 1.5, row  # mapped, it held 1,496 MiB of a 666 MiB file
     assert (row["offload_to"], row["warm_bytes"]) == ("cold", None)
-    assert row["cached_share_after_drop"] < 0.5, row  # the cold load read from the disk
+    if not _on_tmpfs(tmp_path):  # fadvise cannot drop shared memory's pages
+        assert row["cached_share_after_drop"] < 0.5, row  # the cold load read from the disk
     assert row["versus_direct"]["rounds"] == 1
     estimates = [g for g in data["goals"] if "estimate" in g["name"]]
     assert len(estimates) == 2 and all(g["met"] for g in estimates), data["goals"]
@@ -43,6 +43,16 @@ def test_quick_sizes_estimates_the_1b_q4_0_within_ten_percent(tmp_path: Path) ->
     compete = data["results"]["competing"]
     assert compete["errors"] == [] and compete["crashes"] == 0, compete
     assert sum(m["answered"] for m in compete["per_model"].values()) == compete["requests"]
-    assert compete["samples"] > 0
-    assert compete["rss_max_bytes"] <= compete["budget_bytes"], compete
-    assert compete["accounted_max_bytes"] <= compete["budget_bytes"], compete
+    assert compete["samples"] > 0 and compete["accounted_samples"] > 0
+    assert 0 < compete["rss_max_bytes"] <= compete["budget_bytes"], compete
+    assert 0 < compete["accounted_max_bytes"] <= compete["budget_bytes"], compete
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (its mount, the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, point, fstype, *_ = line.split()
+        if str(path.resolve()).startswith(point) and len(point) > len(best):
+            best, kind = point, fstype
+    return kind == "tmpfs"

@@ -78,8 +78,7 @@ async def test_without_the_warm_tier_an_eviction_unloads() -> None:
     await s.close()
 
 
-async def test_a_warm_copy_that_keeps_most_of_its_bytes_is_unloaded_and_never_tried_again(
-) -> None:
+async def test_a_warm_copy_keeping_most_of_its_bytes_is_unloaded_and_not_tried_again() -> None:
     """A copy that saves too little (llama.cpp's repacked weights stay in anonymous memory)
     holds memory for no gain: the eviction unloads it, and the next one plans a cold one."""
     h = harness([entry("a", 100, warm_mib=90), entry("b", 100), entry("c", 100)],

@@ -263,7 +263,7 @@ class RunnerBackend(Backend):
         keeps running (its buffers, its slots' cache, its vocabulary). False if it is gone or
         could not, or holds no mapping to give back (`LoadSpec.mapped`): the scheduler unloads
         it."""
-        if not self.child.alive() or not self.spec.mapped:
+        if not self.spec.mapped or not self.child.alive():
             return False
         self.host.turns.forget(self.child.turn)  # it is idle: if its turn had it stopped, it runs
         try:

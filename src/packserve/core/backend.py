@@ -64,7 +64,8 @@ class LoadSpec:
     cache_per_slot: bool = False
     # The weights file mapped into the engine's memory (its pages in the page cache, which a
     # warm copy gives back), or read into memory of the engine's own (`Engine.maps_weights`).
-    # The file decides, so two entries of one key agree: not part of it.
+    # The file decides, so two entries of one file agree; part of the key all the same, so
+    # that a footprint remembered from a mapped load is never taken for a read one.
     mapped: bool = True
 
     @property
@@ -73,6 +74,7 @@ class LoadSpec:
                                                     ("allow_pickle", self.allow_pickle)) if on)
         slots = f"|par={self.parallel}" if self.parallel > 1 else ""
         slots += "|kv=per_slot" if self.parallel > 1 and self.cache_per_slot else ""
+        slots += "" if self.mapped else "|read"
         return f"{self.backend}|{self.path}|{self.device}|ctx={self.context_length}{slots}{flags}"
 
 

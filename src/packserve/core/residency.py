@@ -121,9 +121,15 @@ class Residency:
     def goes_warm(self, res: Resident) -> bool:
         """Whether an eviction of `res` now would try the warm tier: a warm copy that parks
         weights in host RAM (a GPU model's) only if the `cpu` budget has room for it."""
-        return (res.load.device in self._warm_tier and res.warm.possible is not False
-                and not res.warm.too_big and res.quarantine is None and bool(res.models)
-                and self._host_fits(res))
+        return (res.load.device in self._warm_tier and self.may_go_warm(res)
+                and res.quarantine is None and bool(res.models) and self._host_fits(res))
+
+    @staticmethod
+    def may_go_warm(res: Resident) -> bool:
+        """Whether `res` can have a warm copy worth keeping: its engine has a warm state (or was
+        not asked yet), its load maps its weights (one read into memory has nothing to give
+        back: `LoadSpec.mapped`), and no copy of it kept most of its bytes (`too_big`)."""
+        return res.warm.possible is not False and res.load.mapped and not res.warm.too_big
 
     def host_copies(self) -> int:
         """Host RAM the warm copies of other devices' models hold: part of `cpu`'s budget."""

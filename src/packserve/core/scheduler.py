@@ -662,7 +662,7 @@ class Scheduler:
         weights, else cold (the answer's state says which). Conflict if pinned or busy."""
         await self._operator_evict(
             name, "offloading", (State.HOT,),
-            lambda res: State.WARM if res.warm.possible is not False else State.COLD,
+            lambda res: State.WARM if self._residency.may_go_warm(res) else State.COLD,
             "offloaded by operator")
 
     async def _operator_evict(self, name: str, doing: str, movable: tuple[State, ...],
