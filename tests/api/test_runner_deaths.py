@@ -101,8 +101,11 @@ def test_a_runner_killed_three_times(server: Running) -> None:
         _until(lambda: _row(c, CHAT)["state"] == "failed", "the third death never quarantined")
         refused = c.post("/v1/chat/completions", json=SHORT)
         assert refused.status_code == 503, refused.text
-        assert "quarantined" in refused.json()["error"]["message"]
+        # the model asked for, and the one its runner serves too
+        assert refused.json()["error"]["message"].startswith(
+            f"model {CHAT} (one load with smollm2-extract) is quarantined: "), refused.text
         assert int(refused.headers["retry-after"]) > 60  # the rest of crash_window_s
+        assert _row(c, CHAT)["restart_in_s"] > 60  # the status says when too
         # Its log survived each death; the admin route reads it.
         log = c.get(f"/v1/residency/{CHAT}/log", params={"lines": 5}).json()
         assert log["state"] == "failed" and log["last_crash"]["cause"] == "SIGKILL"

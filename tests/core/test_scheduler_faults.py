@@ -298,6 +298,16 @@ async def test_quarantine_refuses_requests_with_the_reason_until_an_operator_loa
     await s.close()
 
 
+async def test_a_quarantined_shared_loads_503_names_the_model_asked_for() -> None:
+    h = harness([entry("a", weights="w"), entry("b", weights="w")], budget_mib=1024)
+    s = h.scheduler
+    s.quarantine("a", CRASH)
+    with pytest.raises(ModelUnavailable) as caught:
+        await use(s, "b")
+    assert caught.value.message.startswith("model b (one load with a) is quarantined: ")
+    await s.close()
+
+
 async def test_an_operators_load_is_reported_once_it_succeeded_and_never_when_it_failed() -> None:
     """The front lifts its quarantine on OperatorLoadEvent alone (packserve.front.supervisor):
     a failed operator load must not emit it, nor a load a request caused."""

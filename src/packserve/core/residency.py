@@ -416,10 +416,17 @@ class Residency:
                 shares_weights_with=tuple(n for n in res.models if n != m.spec.name),
                 bytes_warm=res.warm.bytes if res.warm.kept else None,
                 restore_seconds=res.warm.restore_seconds, last_crash=crash,
-                restart_in_s=round(res.restart_at - now, 3) if res.restart_at > now else None,
+                restart_in_s=_restart_in(res, now),
                 log=(backend.log() if backend is not None else None)
                 or (exit.log if exit is not None else None)))
         return rows
+
+
+def _restart_in(res: Resident, now: float) -> float | None:
+    """Seconds until `res` may load again: a back-off after a crash, or a quarantine with an
+    end (a third death's); None when it may now, or only an operator's load lifts it."""
+    at = res.restart_at if res.quarantine is None else res.quarantine_until
+    return round(at - now, 3) if at is not None and at > now else None
 
 
 def _expected_restore(res: Resident) -> float:

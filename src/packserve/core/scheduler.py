@@ -248,8 +248,9 @@ class Scheduler:
         model.keep_alive = keep_alive  # a request refused or gone before its slot sets nothing
         error: BaseException | None = None
         try:
-            await self._ensure_hot(res, due=(visit.entered + slo,
-                                             visit.entered + self._load_turn * slo, slo))
+            await self._ensure_hot(res, name=name, due=(visit.entered + slo,
+                                                        visit.entered + self._load_turn * slo,
+                                                        slo))
             visit.ready = self._clock()
             assert res.runner is not None
             visit.lease = Lease(model=name, task=task, runner=res.runner, clock=self._clock)
@@ -273,8 +274,10 @@ class Scheduler:
     # ----------------------------------------------------------------- loading
 
     async def _ensure_hot(self, res: Resident, *, ignore_cooldown: bool = False,
-                          due: tuple[float, float, float] | None = None) -> None:
-        """Return when `res` is hot, joining its load or starting one. Raises PackserveError.
+                          due: tuple[float, float, float] | None = None,
+                          name: str | None = None) -> None:
+        """Return when `res` is hot, joining its load or starting one. Raises PackserveError,
+        naming `name` (the model a request asked for) where given, else the load.
 
         The caller counts as a waiter while it awaits the load; it may be cancelled at any
         point without harming the load. `ignore_cooldown`: the pin retries and operator
@@ -282,10 +285,10 @@ class Scheduler:
         """
         while True:
             if self._closing:
-                raise ModelUnavailable(f"model {res.label}: packserve is shutting down",
+                raise ModelUnavailable(f"{_called(res, name)}: packserve is shutting down",
                                        retry_after_s=LOCK_RETRY_AFTER_S)
             if res.quarantine is not None:
-                self._quarantined(res)  # raises, unless its time is up
+                self._quarantined(res, name)  # raises, unless its time is up
             if res.state is State.HOT:
                 return
             wait = res.restart_at - self._clock()
@@ -608,12 +611,13 @@ class Scheduler:
             if exit is None:
                 return None
             self._lost(res, backend, exit)
-        await self._ensure_hot(res)
+        await self._ensure_hot(res, name=lease.model)
         assert res.runner is not None
         return res.runner
 
-    def _quarantined(self, res: Resident) -> None:
-        """Raise the 503 of quarantined `res`, or lift the quarantine if its time is up."""
+    def _quarantined(self, res: Resident, name: str | None = None) -> None:
+        """Raise the 503 of quarantined `res` (naming `name`, the model asked for, where
+        given), or lift the quarantine if its time is up."""
         until = res.quarantine_until
         left = None if until is None else until - self._clock()
         if left is not None and left <= 0:
@@ -622,7 +626,7 @@ class Scheduler:
                 res.move(State.COLD)
             return
         raise ModelUnavailable(
-            f"model {res.label} is quarantined: {res.quarantine}; it stays unavailable "
+            f"{_called(res, name)} is quarantined: {res.quarantine}; it stays unavailable "
             + ("until an operator loads it again" if left is None else
                f"for {left:.0f} s more, or until an operator loads it"),
             retry_after_s=QUARANTINE_RETRY_AFTER_S if left is None else int(left) + 1)
@@ -820,3 +824,12 @@ def _retrieve(task: asyncio.Task[None]) -> None:
     """Mark a load's outcome as seen: its waiters got it, or nobody was left to care."""
     if not task.cancelled():
         task.exception()
+
+
+def _called(res: Resident, name: str | None) -> str:
+    """How a message names `res` to a client that asked for `name`: that model, and the others
+    its load serves (their fate is one), else the load's label."""
+    if name is None or name not in res.models:
+        return f"model {res.label}"
+    others = [m for m in res.models if m != name]
+    return f"model {name}" + (f" (one load with {', '.join(others)})" if others else "")

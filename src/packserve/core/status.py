@@ -51,7 +51,8 @@ class ModelStatus:
     restore_seconds: float | None = None  # the last restore from warm
     download: Download | None = None  # its weights are being fetched (state: admitting)
     last_crash: LastCrash | None = None
-    restart_in_s: float | None = None  # a back-off after a crash: it loads again after this
+    # a back-off after a crash, or a quarantine that ends: it may load again after this
+    restart_in_s: float | None = None
     log: str | None = None  # its engine process's log, where it has one
 
 
