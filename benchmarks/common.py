@@ -278,6 +278,15 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """The `q` quantile of `values` as one of them (the upper one where it falls between two:
+    p50 of an even count is the upper median); None for none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None

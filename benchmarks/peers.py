@@ -47,6 +47,7 @@ from benchmarks.common import (
     model_path,
     packserve_argv,
     progress,
+    quantile,
     ratio,
     run_server,
     write_config,
@@ -286,7 +287,7 @@ def _switching(opts: Options, server: Path, preset: Path, rounds: int, cycles: i
     evictions = int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                         if line.startswith("packserve_model_events_total{")
                         and 'event="evict' in line))
-    pct = {side: {q: _quantile(v, q) for q in (0.5, 0.9)} for side, v in lat.items()}
+    pct = {side: {q: quantile(v, q) for q in (0.5, 0.9)} for side, v in lat.items()}
     r50 = ratio(pct["packserve"][0.5], pct["router"][0.5])
     r90 = ratio(pct["packserve"][0.9], pct["router"][0.9])
     rows: list[list[object]] = [
@@ -325,13 +326,6 @@ def switch_profile(log: Path, offset: int) -> dict[str, Any]:
         "columns": ["model", "loads from cold", "median s", "restores from warm", "median s",
                     "evictions to warm", "median s", "evictions to cold", "median s"],
         "rows": rows}}
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _summarise(out: dict[str, Any], per_round: dict[str, dict[str, list[float]]],

@@ -99,36 +99,10 @@ def tiny_models() -> ModuleType:
     return module
 
 
-def _config(path: Path, data: Path, name: str, gguf: Path, context: int,
-            cache: str = "shared") -> Path:
-    path.write_text(
-        f'[server]\ndata_dir = "{data}"\nlog_level = "warning"\nload_wait_s = 900\n'
-        f'load_timeout_s = 900\nmodel_roots = ["{gguf.parent}"]\n'
-        f'[devices.cpu]\nmemory_budget = "auto"\nheadroom = "256MiB"\n\n'
-        f'[[models]]\nname = "{name}"\ntasks = ["complete"]\nbackend = "llama-server"\n'
-        f'source = "{gguf}"\ncontext_length = {context}\nmax_concurrency = 1\n'
-        f'parallel_cache = "{cache}"\n', "utf-8")
-    return path
-
-
 def _row(c: httpx.Client, name: str) -> dict[str, Any]:
     rows = c.get("/v1/residency").raise_for_status().json()["models"]
     row: dict[str, Any] = next(r for r in rows if r["name"] == name)
     return row
-
-
-def _complete(c: httpx.Client, name: str, ids: list[int], max_tokens: int) -> float:
-    """Seconds the client waits for a completion of `max_tokens` (EOS ignored) after `ids`."""
-    t0 = time.monotonic()
-    r = c.post("/v1/completions", json={"model": name, "prompt": ids, "max_tokens": max_tokens,
-                                         "ignore_eos": True, "temperature": 0})
-    waited = time.monotonic() - t0
-    if r.status_code != 200:
-        raise RuntimeError(f"{name}: completion {r.status_code}: {r.text[:300]}")
-    got = r.json()["usage"]["completion_tokens"]
-    if got != max_tokens:
-        raise RuntimeError(f"{name}: {got} tokens generated, asked {max_tokens}")
-    return waited
 
 
 def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rounds: int,
@@ -142,7 +116,8 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
     data = work / "data"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
-    config = _config(work / f"{name}-{context}-{cache}.toml", data, name, gguf, context, cache)
+    config = sizes_mix.config(work / f"{name}-{context}-{cache}.toml", data, [(name, gguf)],
+                              context, "auto", "256MiB", cache=cache, log_level="warning")
     rng = random.Random(context)
     vocab = tiny_models().REAL_SHAPES[name].shape.vocab
     ids = [rng.randrange(FIRST_TOKEN_IDS, vocab) for _ in range(prompt)]
@@ -161,7 +136,7 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
         argv = sizes_mix.runner_argv(runner)
         mapped = "--load-mode" not in argv
         after_load = rss_bytes(runner)
-        prefill_s = _complete(c, name, ids, 1)
+        prefill_s = sizes_mix.complete(c, name, ids, 1)
         after_request = rss_bytes(runner)
         warm: int | None = None
         went = ""
@@ -169,20 +144,20 @@ def measure(name: str, gguf: Path, context: int, prompt: int, work: Path, *, rou
         for _ in range(rounds):
             # each first token from a prompt of its own: the slot's cache holds the last one,
             # and a hot or restored runner would reuse it where a new one cannot
-            hot_s = _complete(c, name, short(), 1)
+            hot_s = sizes_mix.complete(c, name, short(), 1)
             # a model read into memory (mostly repacked: backends.gguf.maps_weights) has no
             # warm copy, and its offload unloads it
             went = c.post(f"/v1/residency/{name}/offload").raise_for_status().json()["state"]
             if went == "warm" and warm is None:
                 warm = rss_bytes(find_runner(server.pid, gguf)[0])
-            restore_s = _complete(c, name, short(), 1) if went == "warm" else None
+            restore_s = sizes_mix.complete(c, name, short(), 1) if went == "warm" else None
             c.post(f"/v1/residency/{name}/unload").raise_for_status()
-            reload_s = _complete(c, name, short(), 1)
+            reload_s = sizes_mix.complete(c, name, short(), 1)
             timed.append({"hot_s": hot_s, "restored_s": restore_s,
                           "page_cache_load_s": reload_s})
         c.post(f"/v1/residency/{name}/unload").raise_for_status()
         cached_after_drop = sizes_mix.drop_from_page_cache(gguf)
-        cold_s = _complete(c, name, short(), 1)
+        cold_s = sizes_mix.complete(c, name, short(), 1)
         direct = None if peer is None else sizes_mix.versus_direct(
             c, name, argv, vocab, peer_rounds, *peer, work / f"{name}-{context}-direct.log")
     resident = max(after_load, after_request)

@@ -30,6 +30,7 @@ from benchmarks.common import (
     descendants,
     median,
     packserve_argv,
+    quantile,
     ratio,
     rss_bytes,
     run_server,
@@ -40,13 +41,6 @@ FIRST_ID = 300  # ids below this are the vocabulary's specials, bytes and letter
 
 def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(FIRST_ID, vocab) for _ in range(n)]
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 # ---------------------------------------------------------------------- the page cache
@@ -160,14 +154,18 @@ def versus_direct(c: httpx.Client, name: str, argv: Sequence[str], vocab: int, r
 
 
 def config(path: Path, data: Path, models: Sequence[tuple[str, Path]], context: int,
-           budget: str, headroom: str) -> Path:
+           budget: str, headroom: str, *, cache: str = "shared", log_level: str = "info"
+           ) -> Path:
+    """A packserve config serving `models` (name, GGUF) as `complete` models at `context`
+    tokens, one request at a time each, with `cache` ("shared" or "per_slot"), on a CPU
+    `budget` less `headroom`; its events logged at `log_level` "info"."""
     entries = "".join(
         f'\n[[models]]\nname = "{name}"\ntasks = ["complete"]\nbackend = "llama-server"\n'
         f'source = "{gguf}"\ncontext_length = {context}\nmax_concurrency = 1\n'
-        for name, gguf in models)
+        f'parallel_cache = "{cache}"\n' for name, gguf in models)
     roots = sorted({str(g.parent) for _, g in models})
     path.write_text(
-        f'[server]\ndata_dir = "{data}"\nlog_level = "info"\nload_wait_s = 900\n'
+        f'[server]\ndata_dir = "{data}"\nlog_level = "{log_level}"\nload_wait_s = 900\n'
         f'load_timeout_s = 900\nmodel_roots = {roots!r}\n'.replace("'", '"')
         + f'[devices.cpu]\nmemory_budget = "{budget}"\nheadroom = "{headroom}"\n' + entries,
         "utf-8")
@@ -186,13 +184,19 @@ def estimates(work: Path, models: Sequence[tuple[str, Path]], context: int) -> d
     return {r["name"]: int(r["bytes_estimated"]) for r in rows}
 
 
-def _complete(c: httpx.Client, path: str, name: str, ids: list[int], max_tokens: int) -> float:
+def complete(c: httpx.Client, name: str, ids: list[int], max_tokens: int) -> float:
+    """Seconds the client waits for a completion of `max_tokens` (EOS ignored) after `ids`,
+    from packserve or llama.cpp's router (both OpenAI's `/v1/completions`)."""
     t0 = time.monotonic()
-    r = c.post(path, json={"model": name, "prompt": ids, "max_tokens": max_tokens,
-                           "ignore_eos": True, "temperature": 0})
+    r = c.post("/v1/completions", json={"model": name, "prompt": ids, "max_tokens": max_tokens,
+                                         "ignore_eos": True, "temperature": 0})
+    waited = time.monotonic() - t0
     if r.status_code != 200:
-        raise RuntimeError(f"{name}: {r.status_code}: {r.text[:300]}")
-    return time.monotonic() - t0
+        raise RuntimeError(f"{name}: completion {r.status_code}: {r.text[:300]}")
+    got = r.json()["usage"]["completion_tokens"]
+    if got != max_tokens:
+        raise RuntimeError(f"{name}: {got} tokens generated, asked {max_tokens}")
+    return waited
 
 
 def switching(work: Path, models: Sequence[tuple[str, Path]], vocab: int, context: int,
@@ -223,18 +227,30 @@ def switching(work: Path, models: Sequence[tuple[str, Path]], vocab: int, contex
         clients = {"packserve": pc, "router": rc}
         for client in clients.values():  # first loads out of the figures
             for name in names:
-                _complete(client, "/v1/completions", name, prompt_ids(rng, 16, vocab), 8)
+                complete(client, name, prompt_ids(rng, 16, vocab), 8)
         offset = log.stat().st_size
         for r in range(rounds):
             for side in (("packserve", "router") if r % 2 == 0 else ("router", "packserve")):
                 for i in range(cycles):
                     name = names[(i + 1) % 2]  # the other one each time
-                    lat[side].append(_complete(clients[side], "/v1/completions", name,
-                                               prompt_ids(rng, 16, vocab), 8))
-    tiers = _tiers(log, offset)
+                    lat[side].append(complete(clients[side], name,
+                                              prompt_ids(rng, 16, vocab), 8))
+    return switch_summary({"models": names, "estimates": est, "budget_bytes": budget,
+                           "rounds": rounds, "cycles": cycles, "latency_s": lat,
+                           "tiers": _tiers(log, offset)})
+
+
+def switch_summary(out: dict[str, Any]) -> dict[str, Any]:
+    """`switching`'s quantiles from its latencies: over every request, and apart for the
+    switches to each model (request i of a side's `cycles` went to `models[(i + 1) % 2]`),
+    because the two kinds of switch can differ by seconds and an overall p50 then falls
+    between them."""
+    names, lat = out["models"], out["latency_s"]
     pct = {side: {"p50": quantile(v, 0.5), "p90": quantile(v, 0.9)} for side, v in lat.items()}
-    return {"models": names, "estimates": est, "budget_bytes": budget, "rounds": rounds,
-            "cycles": cycles, "latency_s": lat, "quantiles_s": pct, "tiers": tiers,
+    by_target = {side: {name: quantile([t for k, t in enumerate(v)
+                                        if names[(k % out["cycles"] + 1) % 2] == name], 0.5)
+                        for name in names} for side, v in lat.items()}
+    return {**out, "quantiles_s": pct, "p50_by_target_s": by_target,
             "ratio_p50": ratio(pct["packserve"]["p50"], pct["router"]["p50"]),
             "ratio_p90": ratio(pct["packserve"]["p90"], pct["router"]["p90"])}
 
@@ -310,7 +326,7 @@ def competing(work: Path, models: Sequence[tuple[str, Path]], vocab: int, contex
         def one(i: int) -> None:
             name, n = plan[i]
             try:
-                lat[name].append(_complete(c, "/v1/completions", name,
+                lat[name].append(complete(c, name,
                                            prompt_ids(random.Random(i), n, vocab), 8))
             except Exception as exc:  # reported, never lost
                 errors.append(f"{name}: {exc}")
