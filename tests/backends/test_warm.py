@@ -5,16 +5,24 @@ runner's own resident set (`weight_bytes`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
 from packserve import backends
-from packserve.backends.llama_server import LlamaEmbedBackend, RunnerBackend, RunnerGone
+from packserve.backends.llama_server import (
+    LlamaEmbedBackend,
+    LlamaServerBackend,
+    RunnerBackend,
+    WarmState,
+)
+from packserve.backends.runner import UnixHTTP
 from packserve.config import load_config
-from packserve.core.backend import Backend, GenerationParams, Message
+from packserve.core.backend import Backend, EngineDied, GenerationParams, Message
 from packserve.core.memory import SystemProbe
 from packserve.sources import resolve_source
 from tests.factories import catalog_path
@@ -90,21 +98,35 @@ def _answer(backend: RunnerBackend) -> object:
                         GenerationParams(max_tokens=16, temperature=0)).text
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "all-minilm-l6-v2"])
+@pytest.mark.parametrize(("name", "state"), [("smollm2-135m-instruct", WarmState.PAGES),
+                                           ("all-minilm-l6-v2", WarmState.PAGES),
+                                           ("smollm2-135m-instruct", WarmState.SLEEP)])
 def test_a_runner_goes_warm_in_its_own_process_and_answers_the_same(
-        tmp_path: Path, name: str) -> None:
-    backend = _runner(tmp_path, name)
+        tmp_path: Path, name: str, state: WarmState) -> None:
+    """PAGES: the weights file's pages leave its resident set; its buffers and code stay.
+    SLEEP (scripts/patches/llama-server-sleep.patch, a card's warm state, run here on the
+    CPU): the model, caches and buffers are freed and the process kept; /health and /props
+    answer without waking it; the wake loads the model again."""
+    if state is WarmState.SLEEP:
+        backend: RunnerBackend = _sleeper(catalog_path(name, tmp_path))
+    else:
+        backend = _runner(tmp_path, name)
     try:
         before = _answer(backend)
         pid, hot = backend.pid, backend.weight_bytes()
         for _ in range(2):
             assert backend.release_weights()
             warm = backend.weight_bytes()
-            # the weights file's pages leave its resident set; its buffers and code stay
-            assert 0 < warm < hot * 0.75, (warm, hot)
+            assert 0 < warm < hot * (0.5 if state is WarmState.SLEEP else 0.75), (warm, hot)
             assert backend.pid == pid and not backend.dead()
+            if state is WarmState.SLEEP:
+                assert _get(backend, "/health") == {"status": "ok"}
+                assert _get(backend, "/props")["is_sleeping"] is True  # asked, not woken
             backend.restore_weights()
-            assert backend.weight_bytes() > warm + (hot - warm) // 2  # read back in
+            if state is WarmState.SLEEP:
+                assert _get(backend, "/props")["is_sleeping"] is False
+            else:
+                assert backend.weight_bytes() > warm + (hot - warm) // 2  # read back in
             assert _answer(backend) == before
     finally:
         backend.unload()
@@ -118,8 +140,58 @@ def test_a_runner_that_died_while_warm_is_not_restored(tmp_path: Path) -> None:
         assert backend.pid is not None
         os.kill(backend.pid, signal.SIGKILL)
         assert backend.exited(10) is not None  # reaped
-        with pytest.raises(RunnerGone):  # the scheduler then loads it anew
+        with pytest.raises(EngineDied) as died:  # the scheduler counts it, loads it anew
             backend.restore_weights()
+        assert died.value.exit.cause == "SIGKILL"
         assert not backend.release_weights()  # nothing left to release: unloaded
+    finally:
+        backend.unload()
+
+
+class _Sleeps(LlamaServerBackend):
+    """A runner whose warm state is the sleeping state, as on a card (on the CPU it is not:
+    docs/gpu.md has why), so that the patched routes run on every run here."""
+
+    @property
+    def warm_state(self) -> WarmState | None:
+        return WarmState.SLEEP
+
+
+def _sleeper(path: Path) -> _Sleeps:
+    """A runner of SmolLM2's file at `path` that sleeps when it goes warm, loaded."""
+    backend = _Sleeps(backends.get("llama-server").load_spec(path, "cpu", 1024, 64, {}))
+    backend.load()
+    return backend
+
+
+def _get(backend: RunnerBackend, path: str) -> dict[str, object]:
+    conn = UnixHTTP(str(backend.child.socket), timeout=10)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        assert response.status == 200, body
+        return dict(body)
+    finally:
+        conn.close()
+
+
+def test_a_wake_that_cannot_load_the_model_is_the_runners_death(tmp_path: Path) -> None:
+    """The weights file is gone when the runner wakes: llama-server's reload fails and it
+    aborts (upstream's behaviour, kept), and the restore says it died, for the scheduler to
+    count; nothing hangs."""
+    source = catalog_path("smollm2-135m-instruct", tmp_path)
+    path = tmp_path / "copy" / source.name
+    path.parent.mkdir()
+    shutil.copyfile(source, path)
+    backend = _sleeper(path)
+    try:
+        assert backend.release_weights()
+        path.unlink()
+        with pytest.raises(EngineDied) as died:
+            backend.restore_weights()
+        assert died.value.exit.cause == "SIGABRT", died.value.exit
+        log = Path(died.value.exit.log).read_text()  # the tail is ggml's backtrace
+        assert "failed to reload model after sleeping" in log
     finally:
         backend.unload()

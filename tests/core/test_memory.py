@@ -208,3 +208,31 @@ def test_the_runners_pids_are_read_at_most_once_a_second() -> None:
         now[0] = t
         assert p.others_bytes("cuda:0") == 0
     assert reads == [100, 100]  # at 0 and at 1
+
+
+def test_a_process_nvml_lists_for_the_first_time_is_looked_up_at_once() -> None:
+    """A runner started within the second is this server's at once: counted as another
+    process's, it would leave the next load no room, and that load would wait for a change of
+    memory that never comes."""
+    listed: dict[int, int | None] = {100: 1 << 30}
+    kids = {100}
+    reads: list[float] = []
+    now = [0.0]
+
+    def ours(pid: int) -> frozenset[int]:
+        reads.append(now[0])
+        return frozenset(kids)
+
+    p = SystemProbe(gpu=lambda: FakeNvml(listed), pid=100, namespaced=lambda: False,
+                    family=ours, clock=lambda: now[0])
+    assert p.others_bytes("cuda:0") == 0
+    kids.add(4242)  # a runner starts and opens its context
+    listed[4242] = 2 << 30
+    now[0] = 0.2
+    assert p.others_bytes("cuda:0") == 0  # not 2 GiB of "others"
+    listed[200] = 5 << 30  # another tenant appears: looked up once, then known
+    now[0] = 0.3
+    assert p.others_bytes("cuda:0") == 5 << 30
+    now[0] = 0.4
+    assert p.others_bytes("cuda:0") == 5 << 30
+    assert reads == [0.0, 0.2, 0.3]

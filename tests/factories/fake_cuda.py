@@ -13,6 +13,9 @@ card, modelled on the CPU.
   (`core.memory.CudaRuntime`: open a context, empty the cache).
 - `CudaEngine`: a fake engine on `cuda:N` whose load allocates its declared bytes through its
   process's allocator, and whose warm state parks them in host RAM (`Backend.host_bytes`).
+- `SleepingRunner`: a llama-server runner on `cuda:N`, a process of its own whose warm state is
+  llama.cpp's sleeping state (weights and caches freed on the card, its context kept), whose
+  wake allocates them again or, told to, aborts the process.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from packserve.backends.fake import FakeBackend, declared_bytes
+from packserve.backends.llama_server import RESTORE_SHARE, WarmState
+from packserve.core.backend import EngineDied, EngineExit
 from packserve.core.memory import SystemProbe
 
 MIB = 1 << 20
@@ -222,6 +227,63 @@ class CudaEngine(FakeBackend):
 
     def weight_bytes(self) -> int:
         return 0 if not self._loaded or self._parked else declared_bytes(self.spec)
+
+
+class SleepingRunner(FakeBackend):
+    """A llama-server runner on `cuda:N` as backends.llama_server runs one there: a process of
+    its own (`pid`, its CUDA context opened by its load) whose declared bytes are its weights,
+    KV cache and compute buffers; its bytes are what NVML says its pid holds. Its warm state is
+    the sleeping state: every buffer freed (ggml frees them: no cache keeps them), the context
+    kept; its wake allocates them again (MemoryError past the card's total) or, with
+    `wake_dies`, aborts: the process and all it held are gone, and EngineDied says so."""
+
+    out_of_process = True
+    cuda: FakeCuda
+    pid: int
+    wake_dies: bool = False
+
+    def _index(self) -> int:
+        return _index(self.spec.device)
+
+    def load(self) -> None:
+        self.cuda.malloc(self.pid, self._index(), declared_bytes(self.spec))
+        super().load()
+
+    def unload(self) -> None:  # the process exits: its context and buffers go with it
+        self._exit()
+        super().unload()
+
+    def _exit(self) -> None:
+        with self.cuda.lock:
+            self.cuda.processes.pop(self.pid, None)
+
+    def release_weights(self) -> bool:
+        if not self._loaded or self._warm:
+            return False
+        self.cuda.free(self.pid, self._index(), declared_bytes(self.spec))
+        self.cuda.empty_cache(self.pid, self._index())
+        self._count(self.control.releases)
+        self._warm = True
+        return True
+
+    def restore_weights(self) -> None:
+        if self.wake_dies:
+            self._exit()
+            self._loaded = self._warm = False
+            raise EngineDied(f"the runner of {self.name} died waking (SIGABRT)", EngineExit(
+                pid=self.pid, status=None, signal="SIGABRT", oom_kill=None,
+                log_tail="failed to reload model after sleeping", log=""))
+        self.cuda.malloc(self.pid, self._index(), declared_bytes(self.spec))
+        super().restore_weights()
+
+    def restore_share(self) -> float | None:
+        return RESTORE_SHARE[WarmState.SLEEP]
+
+    def parks_on_host(self) -> bool:
+        return False
+
+    def weight_bytes(self) -> int:
+        return self.cuda.held_by(self.pid, self._index()) if self._loaded else 0
 
 
 def _index(device: str) -> int:

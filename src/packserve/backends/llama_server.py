@@ -10,14 +10,21 @@ hands each piece of text to the request, as it does for any engine.
 This module holds what is llama-server's own: its command line, its routes, its JSON, its pages
 API. The process itself (spawn, readiness, stop, log, reaper, CPU turns) is `backends.runner`'s.
 
-What a runner is to the scheduler: its bytes are the child's resident set size (`weight_bytes`
-reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it started, not the
-worker's growth); an unload stops the process. Its warm state is the process itself with its
-weights file's pages dropped from its resident set (the page cache keeps them while the kernel
-has room): `release_weights` asks the runner to let them go (a patched route,
-scripts/patches/llama-server-release-pages.patch), `restore_weights` to read them back, each in
-milliseconds where a start takes up to half a second; what a warm runner holds is its buffers
-(KV cache, compute) and code. A runner that dies (SIGSEGV, an OOM kill) is reported by its
+What a runner is to the scheduler: its bytes are the child's resident set size on the CPU
+(`weight_bytes` reads /proc/PID/smaps_rollup, so a load's measured footprint is the process it
+started, not the worker's growth) and what NVML says its pid holds on a card; an unload stops
+the process. Its warm state is the process itself, kept with less (`WarmState`):
+- on the CPU, a mapped file's pages dropped from its resident set (the page cache keeps them
+  while the kernel has room): `release_weights` asks the runner to let them go (a patched
+  route, scripts/patches/llama-server-release-pages.patch), `restore_weights` to read them back,
+  each in milliseconds where a start takes up to half a second; a warm runner holds its buffers
+  (KV cache, compute) and code;
+- on a card, llama-server's sleeping state (scripts/patches/llama-server-sleep.patch): the
+  model, its context, KV cache and compute buffers are freed on the card, the process and its
+  CUDA context stay; the wake is a load of the model from the page cache without a new process
+  or context. A wake that fails aborts the runner: a death (`EngineDied`), which the scheduler
+  counts as any other.
+A runner that dies (SIGSEGV, an OOM kill) is reported by its
 reaper at once: the scheduler takes the model out of service, counts the death and loads it
 again through its one load path (core.crashes); its requests in flight get a 503
 (`RunnerGone`), and those it had not begun are sent again once after the reload.
@@ -40,6 +47,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +58,7 @@ from packserve.core.backend import (
     Alternative,
     Backend,
     Embeddings,
+    EngineDied,
     EngineExit,
     ExitReport,
     FinishReason,
@@ -79,7 +88,7 @@ if TYPE_CHECKING:
 
 BINARY_ENV = "PACKSERVE_LLAMA_SERVER"
 # A warm runner's release or restore of its weights' pages: milliseconds from the page cache; a
-# restore whose pages the kernel took back reads the file.
+# restore whose pages the kernel took back reads the file. A sleep frees the model: the same.
 PAGES_TIMEOUT_S = 60.0
 # Slots one runner decodes together (continuous batching), sharing one KV cache of the entry's
 # `context_length` (llama-server's own default: four, unified).
@@ -93,6 +102,22 @@ log = logging.getLogger(__name__)
 
 class RunnerGone(EngineCrashed):
     """The runner process of a model died: its requests in flight get 503 `engine_crashed`."""
+
+
+class WarmState(StrEnum):
+    """What a runner keeps while warm (`RunnerBackend.warm_state`)."""
+
+    PAGES = "pages"  # all but its weights file's pages (CPU, a mapped file)
+    SLEEP = "sleep"  # the process and its device contexts: llama-server's sleeping state
+
+
+# What a restore from each warm state costs, as a share of a load's seconds, until one is
+# measured (then `restore_seconds` is used). PAGES: reading the pages back from the page
+# cache, 2.5-17 ms against 0.11-0.85 s for a new runner (`python -m benchmarks.runner_checks
+# warm`, docs/engines.md). SLEEP: a whole load of the model from the page cache without the
+# process start (`runner_checks sleep` on the CPU, docs/gpu.md; on a card it saves the CUDA
+# context too, so the CPU's share is the assumption there until the prepared check measures).
+RESTORE_SHARE = {WarmState.PAGES: 0.05, WarmState.SLEEP: 0.8}
 
 
 def binary() -> Path:
@@ -149,9 +174,6 @@ class RunnerBackend(Backend):
 
     n_vocab: int = 0
     out_of_process = True
-    # A restore reads the weights' pages back from the page cache: 2.5-17 ms against 0.11-0.85
-    # s for a new runner (`scripts/runner_checks.py warm`, docs/engines.md), at most 5%.
-    restore_share = 0.05
     _host: RunnerHost | None = None
     _child: Child | None = None
 
@@ -258,37 +280,88 @@ class RunnerBackend(Backend):
     def log(self) -> str | None:
         return str(self._child.log) if self._child is not None and self._child.log else None
 
+    @property
+    def warm_state(self) -> WarmState | None:
+        """How this runner goes warm: asleep on a card (what it holds there is most of its
+        bytes, and only the sleeping state frees it); its file's pages given back on the CPU
+        where the file is mapped; None where it is read into memory on the CPU (no mapping to
+        give back, and a sleep there saves little over a new runner: docs/gpu.md)."""
+        if self.spec.device != "cpu":
+            return WarmState.SLEEP
+        return WarmState.PAGES if self.spec.mapped else None
+
+    def parks_on_host(self) -> bool:
+        return False  # each warm state reads the weights file again: nothing is parked
+
+    def restore_share(self) -> float | None:
+        state = self.warm_state
+        return RESTORE_SHARE[state] if state is not None else None
+
     def release_weights(self) -> bool:
-        """Hot -> warm: the runner drops its weights file's pages from its resident set and
-        keeps running (its buffers, its slots' cache, its vocabulary). False if it is gone or
-        could not, or holds no mapping to give back (`LoadSpec.mapped`): the scheduler unloads
-        it."""
-        if not self.spec.mapped or not self.child.alive():
+        """Hot -> warm (`warm_state`): the runner drops its weights file's pages from its
+        resident set, or goes to sleep, and keeps running. False if it is gone or could not,
+        or has no warm state: the scheduler unloads it."""
+        state = self.warm_state
+        if state is None or not self.child.alive():
             return False
         self.host.turns.forget(self.child.turn)  # it is idle: if its turn had it stopped, it runs
         try:
-            done = self._pages("release")
+            if state is WarmState.SLEEP:
+                return self.sleep()
+            done = self.pages("release")
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            log.warning("the runner of %s could not release its weights (%s); it is unloaded",
-                        self.name, exc)
+            log.warning("the runner of %s could not go warm (%s, %s); it is unloaded",
+                        self.name, state.value, exc)
             return False
         return bool(done.get("bytes")) and not done.get("errors")
 
     def restore_weights(self) -> None:
         """Warm -> hot: the runner reads its weights' pages back (from the page cache, or the
-        file where the kernel took them), so the first request after does not fault them in.
-        Raises RunnerGone if the runner died while warm: the scheduler loads it anew."""
+        file where the kernel took them), so the first request after does not fault them in;
+        or it wakes, loading the model again, and answers once it serves. Raises EngineDied
+        if the runner died (while warm, or in its wake: a reload that fails aborts it), for
+        the scheduler to count; RunnerGone if it could not and lives."""
         if not self.child.alive():
-            raise self._gone(None)
+            raise self._died_warm(None)
         try:
-            self._pages("restore")
+            if self.warm_state is WarmState.SLEEP:
+                self.wake()
+            else:
+                self.pages("restore")
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise self._gone(exc) from exc
+            raise self._died_warm(exc) from exc
 
-    def _pages(self, action: str) -> dict[str, Any]:
-        conn = UnixHTTP(str(self.child.socket), timeout=PAGES_TIMEOUT_S)
+    def _died_warm(self, exc: BaseException | None) -> Exception:
+        """A restore that failed: EngineDied if the runner is gone (waiting a moment for its
+        reaper where the connection broke), else RunnerGone (it answered an error)."""
+        done = self.child.exited(0.0 if isinstance(exc, ValueError) else 2.0)
+        if done is None:
+            return self._gone(exc)
+        doing = "waking" if self.warm_state is WarmState.SLEEP else "restoring its pages"
+        return EngineDied(f"the llama-server runner of {self.name} died {doing} "
+                          f"({done.cause})", done)
+
+    def sleep(self) -> bool:
+        """llama-server's sleeping state: its model, context, KV cache and compute buffers
+        freed, the process kept (scripts/patches/llama-server-sleep.patch). True once asleep;
+        raises OSError, HTTPException or ValueError (a slot stayed busy) if not."""
+        return bool(self._call("/packserve/sleep", {}, PAGES_TIMEOUT_S).get("sleeping"))
+
+    def wake(self) -> None:
+        """Out of the sleeping state: the model loaded again; returns once it serves. A reload
+        that fails aborts the runner (the connection breaks: OSError)."""
+        self._call("/packserve/wake", {}, self.host.start_timeout_s)
+
+    def pages(self, action: str) -> dict[str, Any]:
+        """"release" or "restore" the weights file's pages (the patched /packserve/pages):
+        the bytes of mappings it went over, and how many of them it could not."""
+        return self._call("/packserve/pages", {"action": action}, PAGES_TIMEOUT_S)
+
+    def _call(self, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """POST one of packserve's own routes; its JSON, or ValueError for another status."""
+        conn = UnixHTTP(str(self.child.socket), timeout=timeout_s)
         try:
-            response = self._send(conn, "/packserve/pages", {"action": action})
+            response = self._send(conn, path, body)
             data = _json(response.read())
             if response.status != 200:
                 raise ValueError(f"{response.status}: {data.get('error')}")

@@ -250,9 +250,6 @@ class Backend:
     # The memory is another process's (a runner's): `weight_bytes()` is all of it, then and
     # after a `release_weights()`; the serving process's own growth or fall says nothing.
     out_of_process: ClassVar[bool] = False
-    # Until a restore from warm is measured, the victim policy expects one to take this share
-    # of a load's seconds; None: as long as a whole load (an engine that reads its weights).
-    restore_share: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         """Subclasses set up per-instance state here (locks, names); no I/O."""
@@ -287,10 +284,23 @@ class Backend:
         `cpu` device's budget."""
         return 0
 
+    def parks_on_host(self) -> bool:
+        """Whether a warm copy of this load would keep bytes in host RAM (`host_bytes`), asked
+        before its first one, to know whether the `cpu` budget must have room: True unless the
+        engine knows it parks nothing there (a runner whose warm state reads its file again)."""
+        return True
+
     def restore_weights(self) -> None:
         """Warm -> hot, after a `release_weights()` that returned True; called like `load()`.
-        If it raises, the scheduler unloads the backend and loads the model anew."""
+        If it raises, the scheduler unloads the backend and loads the model anew; EngineDied
+        (its process died warm or restoring) also counts as a death of the model."""
         raise NotImplementedError
+
+    def restore_share(self) -> float | None:
+        """Until a restore from warm is measured, the victim policy expects one to take this
+        share of a load's seconds, on this load's device; None: as long as a whole load (an
+        engine that reads its weights back)."""
+        return None
 
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text as this engine reads it (no special tokens, no template).

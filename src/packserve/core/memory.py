@@ -231,7 +231,9 @@ class SystemProbe:
         self._namespaced = namespaced
         self._cuda = cuda or TorchCuda()
         self._family = family
-        self._ours: tuple[float, frozenset[int]] = (-math.inf, frozenset())  # (when, pids)
+        # (when, our pids, every pid NVML listed then)
+        self._ours: tuple[float, frozenset[int], frozenset[int]] = (
+            -math.inf, frozenset(), frozenset())
         self._clock = clock
 
     def gpu(self) -> GpuMemory:
@@ -265,16 +267,21 @@ class SystemProbe:
     def others_bytes(self, device: str) -> int | None:
         if not device.startswith("cuda") or self._namespaced():
             return None
-        return others_device_bytes(self.gpu(), _index(device), self._our_pids())
+        gpu, index = self.gpu(), _index(device)
+        listed = frozenset(pid for pid, _ in gpu.processes(index) or ())
+        return others_device_bytes(gpu, index, self._our_pids(listed))
 
-    def _our_pids(self) -> frozenset[int]:
+    def _our_pids(self, listed: frozenset[int]) -> frozenset[int]:
         """This process and its runners, read from /proc at most once a second (admission asks
-        at every step, and /proc on a busy host has thousands of entries)."""
-        at, pids = self._ours
+        at every step, and /proc on a busy host has thousands of entries), and at once when
+        NVML lists a process the last reading did not: a runner started since is ours, and
+        counted as another's it would leave no room for the next load (which would wait for a
+        change that never comes)."""
+        at, pids, seen = self._ours
         now = self._clock()
-        if now - at >= FAMILY_TTL_S:
+        if now - at >= FAMILY_TTL_S or not listed <= seen:
             pids = self._family(self._pid)
-            self._ours = (now, pids)
+            self._ours = (now, pids, listed)
         return pids
 
     def open_device(self, device: str) -> None:

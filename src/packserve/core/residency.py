@@ -140,7 +140,9 @@ class Residency:
         one parked there (before any, its bytes) within `cpu`'s budget; never without one."""
         if res.load.device == HOST:
             return True  # a CPU model's warm copy is part of its own bytes
-        need = res.bytes if res.warm.host_seen is None else res.warm.host_seen
+        need = res.warm.host_seen
+        if need is None:  # no copy yet: all its bytes, unless its engine parks none there
+            need = res.bytes if res.backend is None or res.backend.parks_on_host() else 0
         if need == 0:
             return True
         return HOST in self.devices and self.used(HOST) + need <= self.capacity(HOST)
@@ -433,5 +435,5 @@ def _expected_restore(res: Resident) -> float:
     """A restore's seconds before one was measured: the engine's declared share of its
     load's, or 0.0 (unknown: the policy counts a whole load)."""
     backend = res.backend or res.warm.backend
-    share = backend.restore_share if backend is not None else None
+    share = backend.restore_share() if backend is not None else None
     return share * (res.load_seconds or 0.0) if share else 0.0

@@ -365,6 +365,8 @@ class Scheduler:
             await self._admit_and_load(res)
         except _Abandoned:
             log.debug("load of %s abandoned: nobody waits for it any more", res.label)
+        except _Deferred:
+            log.info("load of %s deferred: %s", res.label, res.error)
         finally:
             release_holds(res, self._residency.residents)
             res.flight.reset_deadlines()
@@ -453,7 +455,7 @@ class Scheduler:
                 try:
                     await self._materialize(res)
                     return None
-                except NeverFits:
+                except (NeverFits, _Deferred):
                     raise
                 except Exception as exc:
                     res.move(State.ADMITTING)  # the engine undid its own load: nothing held
@@ -500,9 +502,17 @@ class Scheduler:
         turn, device = res.flight.turn(self._clock()), res.load.device
         res.flight.engine_since = t0 = self._clock()  # the deep probe's: a load in its engine
         try:
-            if res.warm.kept and await self._tiers.restore(res, turn):
-                self._watch(res)
-                return
+            if res.warm.kept:
+                try:
+                    restored = await self._tiers.restore(res, turn)
+                except EngineDied as exc:  # its process died warm or waking: a death
+                    verdict = self._died(res, exc.exit, "waking")
+                    if verdict.action is not crashes.Action.RELOAD:
+                        raise _Deferred from exc  # its waiters wait out the back-off, or 503
+                    restored = False  # loaded anew at once, as after a first death
+                if restored:
+                    self._watch(res)
+                    return
             # No other model's objects alive: the live ones may be frozen out of the collector.
             alone = not self._residency.holds_others(res)
             self._emit(LoadStartEvent(model=res.label, device=device))
@@ -818,6 +828,12 @@ class Scheduler:
 class _Abandoned(Exception):
     """Every waiter of a load left before its engine call started: it stops, having loaded
     and evicted nothing."""
+
+
+class _Deferred(Exception):
+    """The load's engine died on the way (a warm copy's wake) and the crash rule says wait (a
+    back-off) or stop (a quarantine): the load ends having loaded nothing, and its waiters look
+    again (`_ensure_hot` waits out the back-off, or answers the quarantine's 503)."""
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

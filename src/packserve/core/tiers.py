@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from packserve.core.backend import Backend
+from packserve.core.backend import Backend, EngineDied
 from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent, LoadStartEvent
 from packserve.core.loader import Loader
 from packserve.core.resident import Resident
@@ -100,7 +100,8 @@ class Tiers:
     async def restore(self, res: Resident, turn: tuple[float, float]) -> bool:
         """LOADING -> HOT from the warm tier: the engine reads its weights back into the
         objects it kept, competing for compute at `turn` (deadline, SLO: `Backend.working`).
-        If that fails, the warm copy is unloaded and False returned: the caller loads anew."""
+        If that fails, the warm copy is unloaded and False returned: the caller loads anew;
+        if its process died (`EngineDied`), that is raised after, for the caller to count."""
         backend = res.warm.backend
         assert backend is not None
         device = res.load.device
@@ -117,6 +118,8 @@ class Tiers:
                                        will_retry=True))
             del backend
             await self.drop_warm(res)
+            if isinstance(exc, EngineDied):
+                raise
             return False
         res.warm.backend = None
         res.warm.restore_seconds = seconds = self._clock() - t0
