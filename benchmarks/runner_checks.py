@@ -7,6 +7,7 @@
     .venv/bin/python -m benchmarks.runner_checks contention [NAME=VALUE ...]
                                               # two busy runners on the same cores
     .venv/bin/python -m benchmarks.runner_checks load-modes  # Q4_0: mapped, read, no repack
+    .venv/bin/python -m benchmarks.runner_checks sleep   # each warm state, per quantisation
 
 `drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
 tokens), then three times four at once; how many answers are identical, with the shared cache
@@ -20,7 +21,12 @@ runner's arguments on Llama-3.2-1B's and 3B's shapes in Q4_0 (random weights,
 `scripts/gpu/tiny_models.py`, in ~/.cache/packserve/random-models), the file mapped, read into
 memory (`--load-mode none`) and mapped without repacking (`--no-repack`): its resident set
 after a 200-token prompt and 32 tokens, and llama.cpp's own prefill and decode rates (docs/
-tuning.md). Prints what it measured; asserts nothing.
+tuning.md). `sleep`: per quantisation (the default catalog's SmolLM2 Q4_1 and Gemma Q4_K_M,
+Llama-3.2-1B's shape in Q8_0 and Q4_0, the Q4_0 both mapped and read as packserve reads it),
+what a runner holds hot (after an answer), with its file's pages given back (mapped files) and
+asleep (llama-server's sleeping state), and the seconds of a restore, a wake and a new runner,
+each from the page cache (docs/gpu.md, "The warm tier on a GPU"). Prints what it measured;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -270,6 +276,60 @@ def load_modes() -> None:
                       f"{timings['predicted_per_second']:.1f} tokens/s")
 
 
+def sleep() -> None:
+    import dataclasses
+    import statistics
+
+    from benchmarks.sizes import tiny_models
+    from packserve.backends.llama_server import RunnerBackend
+
+    folder = Path(tempfile.mkdtemp())
+    randoms = Path.home() / ".cache" / "packserve" / "random-models"
+    files = {"smollm2-135m Q4_1": catalog_weights("smollm2-135m-instruct", folder)[1],
+             "gemma-3-270m Q4_K_M": catalog_weights("gemma-3-270m", folder)[1]}
+    for name in ("random-llama-3.2-1b-q8_0", "random-llama-3.2-1b-q4_0"):
+        files[f"llama-3.2-1b {name.rsplit('-', 1)[1].upper()}"] = \
+            tiny_models().ensure_real_shape(name, randoms, say=print)
+    engine = backends.get("llama-server")
+    mib = 2**20
+    for label, path in files.items():
+        spec = engine.load_spec(path, "cpu", 2048, 64, {})
+        modes = [spec.mapped, not spec.mapped] if label.endswith("Q4_0") else [spec.mapped]
+        for mapped in modes:
+            load = dataclasses.replace(spec, mapped=mapped)
+            rows: dict[str, list[float]] = {}
+            for round_ in range(4):  # the first reads the file into the page cache: not kept
+                backend = engine.build(load)
+                assert isinstance(backend, RunnerBackend)
+                t0 = time.perf_counter()
+                backend.load()
+                seen = {"start_s": time.perf_counter() - t0}
+                backend.complete("Once upon a time", GenerationParams(max_tokens=4))
+                seen["hot"] = backend.weight_bytes()
+                if mapped:
+                    backend.pages("release")
+                    seen["pages"] = backend.weight_bytes()
+                    t0 = time.perf_counter()
+                    backend.pages("restore")
+                    seen["restore_s"] = time.perf_counter() - t0
+                assert backend.sleep()
+                seen["asleep"] = backend.weight_bytes()
+                t0 = time.perf_counter()
+                backend.wake()
+                seen["wake_s"] = time.perf_counter() - t0
+                backend.complete("Once upon a time", GenerationParams(max_tokens=4))
+                backend.unload()
+                for key, value in seen.items() if round_ else ():
+                    rows.setdefault(key, []).append(value)
+            med = {k: statistics.median(v) for k, v in rows.items()}
+            pages = (f"pages given back {med['pages'] / mib:,.0f} MiB "
+                     f"(restore {med['restore_s'] * 1000:.0f} ms), " if mapped else "")
+            print(f"{label} {'mapped' if mapped else 'read'}: hot {med['hot'] / mib:,.0f} MiB, "
+                  f"{pages}asleep {med['asleep'] / mib:,.0f} MiB; wake "
+                  f"{med['wake_s'] * 1000:.0f} ms, a new runner {med['start_s'] * 1000:.0f} ms "
+                  f"(wake / new {med['wake_s'] / med['start_s']:.2f})", flush=True)
+
+
 if __name__ == "__main__":
     {"drift": drift, "contention": contention, "start": start, "embed": embed,
-     "warm": warm, "load-modes": load_modes}[sys.argv[1]]()
+     "warm": warm, "load-modes": load_modes, "sleep": sleep}[sys.argv[1]]()

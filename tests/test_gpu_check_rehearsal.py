@@ -180,10 +180,11 @@ def test_prepared_runs_to_its_report_in_out_from_a_venv_nested_in_a_venv(tmp_pat
     env = stand_ins(tmp_path / "standins")
     out = tmp_path / "out"
     out.mkdir()
-    seconds = 75
+    seconds = 120  # room for every selected step by the skip order (`allot`)
     env.update({"OUT": str(out), "PACKSERVE_GPU_CHECK_SECONDS": str(seconds),
                 "PACKSERVE_GPU_CHECK_ARGS": "--llama-shape tiny --only environment,model:llama,"
-                "serve,footprint:llama,cuda_contexts,stop_server,chats_llama_server"})
+                "serve,footprint:llama,cuda_contexts,warm_vs_cold:llama,stop_server,"
+                "chats_llama_server"})
     t0 = time.monotonic()
     run = subprocess.run(["bash", str(folder / "gpu-check.sh"), "--prepared", str(folder)],
                          env=env, capture_output=True, text=True, timeout=seconds + 15,
@@ -200,8 +201,12 @@ def test_prepared_runs_to_its_report_in_out_from_a_venv_nested_in_a_venv(tmp_pat
     assert sys.prefix + "/lib/" in " ".join(env_step["result"]["site_dirs"])
     assert env_step["result"]["packserve"].startswith(str(folder / "venv"))
     assert env_step["result"]["gpu"]["name"] == "NVIDIA H200 (stand-in)"
-    for name in ("model:llama", "serve", "footprint:llama", "stop_server", "chats_llama_server"):
-        assert steps[name]["ok"], (name, why)
+    for name in ("model:llama", "serve", "footprint:llama", "warm_vs_cold:llama", "stop_server",
+                 "chats_llama_server"):
+        assert steps[name]["ok"], (name, steps[name], why)
+    # the runner on "cuda:0" went warm by sleeping and its wake answered: the same process
+    warm = steps["warm_vs_cold:llama"]["result"]
+    assert (warm["state_after_offload"], warm["same_process"]) == ("warm", True), warm
     # on a card every step not passed is a failure, the ones not selected too
     assert run.returncode == 1
     assert "model:bert" in report["failed"] and "pytest_gpu" in report["failed"]

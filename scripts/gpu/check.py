@@ -805,20 +805,41 @@ class Check:
         return body
 
     def warm_vs_cold(self, name: str) -> dict[str, Any]:
-        """Client-side seconds to the first answer from cold (unloaded) and from warm
-        (offloaded), each after one answer while hot."""
+        """Client-side seconds to the first answer from cold (unloaded: for the GGUF a new
+        runner, its CUDA context and its load) and from warm (offloaded: the runner asleep,
+        its wake; the BERT parked in host RAM, its copy back), each after one answer while hot;
+        and what the process holds on the card by NVML hot, warm and after the warm answer.
+        Issue 43's goals for the runner: asleep it holds at most 10% of its hot bytes, and its
+        wake answers in at most half a new runner's time."""
         served = self._served()
+        nvml = self.nvml
+
+        def held() -> tuple[int | None, int | None]:
+            pid = served.runner_pid() if name == LLAMA else served.worker_pid()
+            return pid, (nvml.processes().get(pid) if nvml and pid is not None else None)
+
         first_answer(served.port, name)
         served.admin(name, "unload")
         cold = first_answer(served.port, name)
+        pid_hot, hot = held()
         served.admin(name, "offload")
         warm_state = served.model(name)["state"]
+        pid_warm, warm_bytes = held()
         warm = first_answer(served.port, name)
+        pid_after, after = held()
         row = served.model(name)
-        return {"cold_first_answer_s": round(cold, 4), "warm_first_answer_s": round(warm, 4),
-                "state_after_offload": warm_state, "server_load_seconds": row["load_seconds"],
-                "server_restore_seconds": row["restore_seconds"],
-                "bytes_warm": row["bytes_warm"]}
+        out: dict[str, Any] = {
+            "cold_first_answer_s": round(cold, 4), "warm_first_answer_s": round(warm, 4),
+            "state_after_offload": warm_state, "server_load_seconds": row["load_seconds"],
+            "server_restore_seconds": row["restore_seconds"], "bytes_warm": row["bytes_warm"],
+            "nvml_hot_bytes": hot, "nvml_warm_bytes": warm_bytes, "nvml_after_bytes": after,
+            "same_process": pid_hot is not None and pid_hot == pid_warm == pid_after}
+        if name == LLAMA and hot and warm_bytes is not None:
+            out["warm_share_of_hot"] = round(warm_bytes / hot, 4)
+            out["wake_share_of_cold"] = round(warm / cold, 4)
+            out["goals_met"] = {"asleep_at_most_10pct": warm_bytes <= 0.1 * hot,
+                                "wake_at_most_half_a_new_runner": warm <= 0.5 * cold}
+        return out
 
     def sigkill(self) -> dict[str, Any]:
         served = self._served()
@@ -1008,8 +1029,12 @@ def table(report: dict[str, Any]) -> str:
     wc = {n: steps[f"warm_vs_cold:{n}"]["result"] for n in (LLAMA, BERT)
           if (steps.get(f"warm_vs_cold:{n}") or {}).get("ok")}
     if wc:
-        lines += ["", f"{'first answer':<12} {'cold s':>8} {'warm s':>8}"]
-        lines += [f"{n:<12} {r['cold_first_answer_s']:>8} {r['warm_first_answer_s']:>8}"
+        lines += ["", f"{'first answer':<12} {'cold s':>8} {'warm s':>8} {'NVML hot':>11} "
+                  f"{'warm':>11} {'after':>11}"]
+        lines += [f"{n:<12} {r['cold_first_answer_s']:>8} {r['warm_first_answer_s']:>8} "
+                  f"{_mib(r.get('nvml_hot_bytes')):>11} {_mib(r.get('nvml_warm_bytes')):>11} "
+                  f"{_mib(r.get('nvml_after_bytes')):>11}"
+                  + (f"  goals {r['goals_met']}" if r.get("goals_met") else "")
                   for n, r in wc.items()]
     kill = (steps.get("sigkill_runner") or {}).get("result")
     if kill:
