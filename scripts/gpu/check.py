@@ -834,6 +834,10 @@ class Check:
             "server_restore_seconds": row["restore_seconds"], "bytes_warm": row["bytes_warm"],
             "nvml_hot_bytes": hot, "nvml_warm_bytes": warm_bytes, "nvml_after_bytes": after,
             "same_process": pid_hot is not None and pid_hot == pid_warm == pid_after}
+        if warm_state != "warm" or not out["same_process"]:
+            # the warm tier did not keep it (a copy too big to keep, host RAM for the BERT):
+            # the timing would be a cold one's; the figures say why
+            raise RuntimeError(f"{name} was not kept warm: {json.dumps(out)}")
         if name == LLAMA and hot and warm_bytes is not None:
             out["warm_share_of_hot"] = round(warm_bytes / hot, 4)
             out["wake_share_of_cold"] = round(warm / cold, 4)

@@ -5,16 +5,19 @@ runner's own resident set (`weight_bytes`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 
 from packserve import backends
 from packserve.backends.llama_server import (
+    RESTORE_SHARE,
     LlamaEmbedBackend,
     LlamaServerBackend,
     RunnerBackend,
@@ -111,6 +114,7 @@ def test_a_runner_goes_warm_in_its_own_process_and_answers_the_same(
         backend: RunnerBackend = _sleeper(catalog_path(name, tmp_path))
     else:
         backend = _runner(tmp_path, name)
+    assert backend.warm_state is state  # on the CPU a mapped file's runner gives pages back
     try:
         before = _answer(backend)
         pid, hot = backend.pid, backend.weight_bytes()
@@ -195,3 +199,70 @@ def test_a_wake_that_cannot_load_the_model_is_the_runners_death(tmp_path: Path) 
         assert "failed to reload model after sleeping" in log
     finally:
         backend.unload()
+
+
+def test_a_wake_that_does_not_end_in_time_is_a_hung_death(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wake waits at most load_timeout_s, as a start does: past it the runner is killed
+    and the restore says it hung, for the scheduler to count."""
+    backend = _sleeper(catalog_path("smollm2-135m-instruct", tmp_path))
+    try:
+        assert backend.release_weights()
+        # no wake is that quick (the host is every runner's here: put back after the test)
+        monkeypatch.setattr(backend.host, "start_timeout_s", 0.001)
+        with pytest.raises(EngineDied) as died:
+            backend.restore_weights()
+        assert died.value.exit.hung and died.value.exit.cause == "hung"
+        assert backend.dead()
+    finally:
+        backend.unload()
+
+
+def test_each_device_has_its_warm_state_and_its_expected_restore(tmp_path: Path) -> None:
+    """A card's runner sleeps, a CPU runner of a mapped file gives its pages back, one of a
+    file read into memory has no warm state; what the victim policy expects a restore to cost
+    (a share of a load's seconds) follows, and no warm state parks anything in host RAM."""
+    engine = backends.get("llama-server")
+    path = catalog_path("smollm2-135m-instruct", tmp_path)
+    spec = engine.load_spec(path, "cpu", 1024, 64, {})
+    for load, state, share in ((dataclasses.replace(spec, device="cuda:0"), WarmState.SLEEP,
+                                RESTORE_SHARE[WarmState.SLEEP]),
+                               (spec, WarmState.PAGES, RESTORE_SHARE[WarmState.PAGES]),
+                               (dataclasses.replace(spec, mapped=False), None, None)):
+        backend = engine.build(load)
+        assert isinstance(backend, RunnerBackend)
+        assert (backend.warm_state, backend.restore_share()) == (state, share)
+        assert not backend.parks_on_host()
+    assert RESTORE_SHARE[WarmState.PAGES] < RESTORE_SHARE[WarmState.SLEEP] < 1
+
+
+def test_requests_in_flight_hold_off_a_sleep_and_every_one_is_answered(tmp_path: Path) -> None:
+    """Sleeps and wakes while requests keep arriving (tokenizing reads the model's vocabulary
+    outside the task queue): a request that got in holds the sleep off until it ends, and one
+    that comes to a sleeping runner wakes it. The runner never dies, and every count is the
+    same."""
+    backend = _sleeper(catalog_path("smollm2-135m-instruct", tmp_path))
+    text = "the quick brown fox jumps over the lazy dog " * 200
+    want = backend.count_tokens([text])
+    stop = threading.Event()
+    counts: list[list[int]] = []
+
+    def ask() -> None:
+        while not stop.is_set():
+            counts.append(backend.count_tokens([text]))
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(6):
+            assert backend.release_weights()
+            backend.restore_weights()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        alive = not backend.dead()
+        backend.unload()
+    assert alive
+    assert counts and all(c == want for c in counts), (len(counts), want)

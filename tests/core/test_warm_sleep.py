@@ -40,13 +40,16 @@ def model(name: str, mib: int) -> Entry:
 class Card:
     """A scheduler over a fake card whose models are sleeping runners, each load a new pid."""
 
-    def __init__(self, entries: list[Entry], total: int, *, load_wait_s: float = 10.0) -> None:
+    def __init__(self, entries: list[Entry], total: int, *, load_wait_s: float = 10.0,
+                 per_process: bool | None = True) -> None:
         self.cuda = FakeCuda(totals={0: total})
+        self.nvml = self.cuda.nvml(per_process)
         self.events = Recorder()
         self.runners: list[SleepingRunner] = []
         self.scheduler = Scheduler(
             entries, [DeviceBudget("cuda:0", budget_bytes=total, headroom_bytes=0)],
-            self._build, self.cuda.probe(WORKER, ours=self._family), None,
+            self._build, self.cuda.probe(WORKER, per_process=per_process, ours=self._family),
+            None,
             load_wait_s=load_wait_s, clock=time.monotonic, sinks=(self.events,),
             warm_tier={"cuda:0"})
 
@@ -56,7 +59,7 @@ class Card:
 
     def _build(self, spec: LoadSpec) -> Backend:
         runner = SleepingRunner(spec)
-        runner.cuda, runner.pid = self.cuda, 9000 + len(self.runners)
+        runner.cuda, runner.pid, runner.nvml = self.cuda, 9000 + len(self.runners), self.nvml
         self.runners.append(runner)
         return runner
 
@@ -87,6 +90,20 @@ async def test_a_sleeping_runner_keeps_its_context_and_frees_the_rest() -> None:
     assert cuda.host_bytes == 0  # nothing parked in host RAM: the wake reads the file
     await s.close()
     assert cuda.used(0) == 0  # every runner's process is gone, context and all
+
+
+async def test_without_per_process_figures_the_sleep_is_measured_on_the_device() -> None:
+    """MIG: NVML lists no process, so a runner cannot say what it holds; its load was
+    measured by the card's used memory, and so is its sleep: it keeps its context."""
+    card = Card([model("a", 4096), model("b", 4096)], 6 * GIB, per_process=None)
+    s, cuda = card.scheduler, card.cuda
+    await s.start()
+    await use(s, "a")
+    assert card.status("a")["bytes_measured"] == cuda.context_bytes + 4 * GIB
+    await use(s, "b")
+    assert s.state_of("a") is State.WARM
+    assert card.status("a")["bytes_warm"] == cuda.context_bytes  # not 0
+    await s.close()
 
 
 async def test_a_wake_with_no_room_evicts_first_then_wakes_the_same_process() -> None:
@@ -129,7 +146,6 @@ async def test_a_wake_that_kills_the_runner_is_a_death_through_the_one_path() ->
     dead = await wake_dies()
     await use(s, "a")  # answered by a runner built anew
     assert card.runner("a") is not dead and s.state_of("a") is State.HOT
-    assert cuda.held_by(dead.pid, 0) == 0
     first = card.events.of(CrashEvent)[-1]
     assert (first.doing, first.action, first.signal, first.deaths) == (
         "waking", "reload", "SIGABRT", 1)
@@ -149,4 +165,23 @@ async def test_a_wake_that_kills_the_runner_is_a_death_through_the_one_path() ->
     assert s.state_of("a") is State.FAILED
     assert cuda.used(0) == 0  # no process of a is left on the card
     await use(s, "b")  # the other model serves meanwhile
+    await s.close()
+
+
+async def test_a_runner_that_dies_going_to_sleep_is_counted_and_goes_cold() -> None:
+    """It crashed freeing its buffers: a death (doing "going warm"), and the eviction unloads
+    it; the next request loads it anew."""
+    card = Card([model("a", 4096)], 6 * GIB)
+    s = card.scheduler
+    await s.start()
+    await use(s, "a")
+    card.runner("a").sleep_dies = True
+    await s.offload("a")
+    assert s.state_of("a") is State.COLD
+    crash = card.events.of(CrashEvent)[-1]
+    assert (crash.doing, crash.action, crash.deaths) == ("going warm", "reload", 1)
+    out = card.events.of(EvictEvent)[-1]
+    assert (out.model, out.tier_to) == ("a", "cold")
+    await use(s, "a")
+    assert len(card.runners) == 2 and s.state_of("a") is State.HOT
     await s.close()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from packserve.backends.fake import FakeBackend, declared_bytes
-from packserve.backends.llama_server import RESTORE_SHARE, WarmState
+from packserve.backends.llama_server import RESTORE_SHARE, WarmState, runner_device_bytes
 from packserve.core.backend import EngineDied, EngineExit
 from packserve.core.memory import SystemProbe
 
@@ -235,12 +235,16 @@ class SleepingRunner(FakeBackend):
     KV cache and compute buffers; its bytes are what NVML says its pid holds. Its warm state is
     the sleeping state: every buffer freed (ggml frees them: no cache keeps them), the context
     kept; its wake allocates them again (MemoryError past the card's total) or, with
-    `wake_dies`, aborts: the process and all it held are gone, and EngineDied says so."""
+    `wake_dies`, aborts: the process and all it held are gone, and EngineDied says so. Its
+    bytes are read as the real runner reads them (`runner_device_bytes`, through `nvml`: 0
+    where NVML gives no per-process figure)."""
 
     out_of_process = True
     cuda: FakeCuda
     pid: int
+    nvml: FakeNvml
     wake_dies: bool = False
+    sleep_dies: bool = False
 
     def _index(self) -> int:
         return _index(self.spec.device)
@@ -260,6 +264,8 @@ class SleepingRunner(FakeBackend):
     def release_weights(self) -> bool:
         if not self._loaded or self._warm:
             return False
+        if self.sleep_dies:
+            self._abort("going warm")
         self.cuda.free(self.pid, self._index(), declared_bytes(self.spec))
         self.cuda.empty_cache(self.pid, self._index())
         self._count(self.control.releases)
@@ -268,13 +274,16 @@ class SleepingRunner(FakeBackend):
 
     def restore_weights(self) -> None:
         if self.wake_dies:
-            self._exit()
-            self._loaded = self._warm = False
-            raise EngineDied(f"the runner of {self.name} died waking (SIGABRT)", EngineExit(
-                pid=self.pid, status=None, signal="SIGABRT", oom_kill=None,
-                log_tail="failed to reload model after sleeping", log=""))
+            self._abort("waking")
         self.cuda.malloc(self.pid, self._index(), declared_bytes(self.spec))
         super().restore_weights()
+
+    def _abort(self, doing: str) -> None:
+        self._exit()
+        self._loaded = self._warm = False
+        raise EngineDied(f"the runner of {self.name} died {doing} (SIGABRT)", EngineExit(
+            pid=self.pid, status=None, signal="SIGABRT", oom_kill=None,
+            log_tail="failed to reload model after sleeping", log=""))
 
     def restore_share(self) -> float | None:
         return RESTORE_SHARE[WarmState.SLEEP]
@@ -283,7 +292,9 @@ class SleepingRunner(FakeBackend):
         return False
 
     def weight_bytes(self) -> int:
-        return self.cuda.held_by(self.pid, self._index()) if self._loaded else 0
+        if not self._loaded:
+            return 0
+        return runner_device_bytes(self.pid, self.spec.device, gpu=lambda: self.nvml)
 
 
 def _index(device: str) -> int:

@@ -113,8 +113,9 @@ class WarmState(StrEnum):
 
 # What a restore from each warm state costs, as a share of a load's seconds, until one is
 # measured (then `restore_seconds` is used). PAGES: reading the pages back from the page
-# cache, 2.5-17 ms against 0.11-0.85 s for a new runner (`python -m benchmarks.runner_checks
-# warm`, docs/engines.md). SLEEP: a whole load of the model from the page cache without the
+# cache, 10-56 ms against 0.16-0.75 s for a new runner, 0.02-0.08 of it (`python -m
+# benchmarks.runner_checks sleep`, docs/gpu.md; `runner_checks warm` for docs/engines.md's
+# table). SLEEP: a whole load of the model from the page cache without the
 # process start: 0.66-1.12 of a new runner's seconds on the CPU, median 0.87 (`runner_checks
 # sleep`, docs/gpu.md); a wake on a card also skips the CUDA context's creation, so this is
 # an upper bound there until the prepared check measures one.
@@ -311,6 +312,9 @@ class RunnerBackend(Backend):
                 return self.sleep()
             done = self.pages("release")
         except (OSError, http.client.HTTPException, ValueError) as exc:
+            died = self._died_warm(exc, "going warm")
+            if isinstance(died, EngineDied):  # it crashed (freeing its buffers): a death
+                raise died from exc
             log.warning("the runner of %s could not go warm (%s, %s); it is unloaded",
                         self.name, state.value, exc)
             return False
@@ -323,24 +327,27 @@ class RunnerBackend(Backend):
         if the runner died (while warm, or in its wake: a reload that fails aborts it), for
         the scheduler to count; RunnerGone if it could not and lives."""
         if not self.child.alive():
-            raise self._died_warm(None)
+            raise self._died_warm(None, "warm")
         try:
             if self.warm_state is WarmState.SLEEP:
                 self.wake()
             else:
                 self.pages("restore")
+        except TimeoutError as exc:  # a wake that never ends is a death too, as a hung start
+            raise self.child.hung(f"did not come back from warm ({self.warm_state}) in "
+                                  f"time") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise self._died_warm(exc) from exc
+            raise self._died_warm(exc, "coming back from warm") from exc
 
-    def _died_warm(self, exc: BaseException | None) -> Exception:
-        """A restore that failed: EngineDied if the runner is gone (waiting a moment for its
-        reaper where the connection broke), else RunnerGone (it answered an error)."""
+    def _died_warm(self, exc: BaseException | None, doing: str) -> Exception:
+        """A move to or from warm that failed: EngineDied if the runner is gone (waiting a
+        moment for its reaper where the connection broke), else RunnerGone (it answered an
+        error, or was stopped)."""
         done = self.child.exited(0.0 if isinstance(exc, ValueError) else 2.0)
         if done is None:
             return self._gone(exc)
-        doing = "waking" if self.warm_state is WarmState.SLEEP else "restoring its pages"
         return EngineDied(f"the llama-server runner of {self.name} died {doing} "
-                          f"({done.cause})", done)
+                          f"({self.warm_state}; {done.cause})", done)
 
     def sleep(self) -> bool:
         """llama-server's sleeping state: its model, context, KV cache and compute buffers

@@ -171,12 +171,17 @@ class Child:
             if ready():
                 return
             time.sleep(0.01)
+        raise self.hung(f"was not serving after {limit:g} s (load_timeout_s)")
+
+    def hung(self, what: str) -> EngineDied:
+        """Kill a runner that did not serve in time (a start, a wake): its death, `hung`, for
+        the scheduler to count; `what` says what it did not do."""
         pid = self.pid or 0
         self.stop()
         gone = EngineExit(pid=pid, status=None, signal="SIGKILL", oom_kill=False,
                           log_tail=self.log_tail(), log=str(self.log or ""), hung=True)
-        raise EngineDied(f"the runner of {self.name} was not serving after {limit:g} s "
-                         f"(load_timeout_s): killed; its log: {gone.log_tail}", gone)
+        return EngineDied(f"the runner of {self.name} {what}: killed; its log: "
+                          f"{gone.log_tail}", gone)
 
     def stop(self) -> None:
         """Kill the process (nothing of a runner outlives it: no request is in flight when it

@@ -128,7 +128,7 @@ class CrashEvent:
     device: str
     pid: int
     signal: str  # the cause: "SIGKILL", "SIGKILL (OOM kill)", "exit status 1", "hung"
-    doing: str  # serving, idle (hot, no request), warm, loading, waking (from warm)
+    doing: str  # serving, idle (hot, no request), warm, loading, going warm, waking
     action: str  # reload, backoff, quarantine (core.crashes.Action)
     retry_in_s: float  # until it may load again
     deaths: int  # within crash_window_s, this one included

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from packserve import atomic
-from packserve.core.backend import Backend, BackendFactory, LoadSpec
-from packserve.core.memory import PER_PROCESS, MemoryProbe
+from packserve.core.backend import Backend, BackendFactory, EngineDied, LoadSpec
+from packserve.core.memory import DEVICE_TOTAL, PER_PROCESS, MemoryProbe
 from packserve.core.status import DeviceStatus
 
 log = logging.getLogger("packserve.scheduler")
@@ -235,7 +235,7 @@ class Loader:
                               label: str) -> int | None:
         """Ask the engine to give its weights back and keep its objects. The bytes it still
         holds then (measured as the load is, never more than the `held` it held), or None if
-        it cannot: then the caller unloads it whole."""
+        it cannot: then the caller unloads it whole. EngineDied if its process died doing it."""
         return await self.run(self._release_weights, backend, load, held, label)
 
     def _release_weights(self, backend: Backend, load: LoadSpec, held: int,
@@ -243,18 +243,24 @@ class Loader:
         device = load.device
         probe = self.probe
         before = mapped = 0
-        if not backend.out_of_process:  # a runner's memory is not this process's to measure
+        # A runner's memory is its own process's, which it reports (`weight_bytes`), except on
+        # a card without NVML's per-process figures (MIG): there, as its load was, it is
+        # measured by the device's used memory, before and after.
+        own = backend.out_of_process and probe.accounting(device) != DEVICE_TOTAL
+        if not own:
             probe.release(device)  # garbage from before is not the release's to claim
             before = probe.used_bytes(device)
             mapped = probe.mapped_file_bytes(device, load.path)
         try:
             kept = backend.release_weights()
+        except EngineDied:
+            raise  # its process died on the way: the caller counts it, then unloads it
         except Exception:
             log.exception("%s could not give its weights back; unloading it", label)
             return None
         if not kept:
             return None
-        if backend.out_of_process:  # a runner: what its process still holds, all of it
+        if own:  # a runner: what its process still holds, all of it
             return min(held, backend.weight_bytes())
         probe.release(device)
         freed = before - probe.used_bytes(device)

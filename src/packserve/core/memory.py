@@ -193,11 +193,12 @@ def family(pid: int, proc: Path = Path("/proc")) -> frozenset[int]:
     return frozenset(seen)
 
 
-def others_device_bytes(gpu: GpuMemory, index: int, ours: frozenset[int]) -> int | None:
+def others_device_bytes(gpu: GpuMemory, index: int, ours: frozenset[int],
+                        procs: list[tuple[int, int | None]] | None = None) -> int | None:
     """What device `index` holds beyond the processes in `ours`: its used memory less their
     per-process figures, so that graphics processes and what the driver keeps count too; None
-    when per-process figures are unavailable."""
-    procs = gpu.processes(index)
+    when per-process figures are unavailable. `procs`: NVML's process list, if read already."""
+    procs = gpu.processes(index) if procs is None else procs
     if procs is None or any(used is None for _, used in procs):
         return None
     return max(0, gpu.memory(index)[1] - sum(used or 0 for p, used in procs if p in ours))
@@ -268,8 +269,11 @@ class SystemProbe:
         if not device.startswith("cuda") or self._namespaced():
             return None
         gpu, index = self.gpu(), _index(device)
-        listed = frozenset(pid for pid, _ in gpu.processes(index) or ())
-        return others_device_bytes(gpu, index, self._our_pids(listed))
+        procs = gpu.processes(index)
+        if procs is None:
+            return None
+        ours = self._our_pids(frozenset(pid for pid, _ in procs))
+        return others_device_bytes(gpu, index, ours, procs)
 
     def _our_pids(self, listed: frozenset[int]) -> frozenset[int]:
         """This process and its runners, read from /proc at most once a second (admission asks

@@ -146,7 +146,7 @@ class Scheduler:
         self._locks = DeviceLocks((d.name for d in devices), clock=clock, wait_s=load_wait_s)
         self._changed = Changed()  # memory changed, or a model went idle
         self._tiers = Tiers(self._loader, clock=clock, emit=self._emit,
-                            changed=self._changed.fire)
+                            changed=self._changed.fire, died=self._died)
         self._evictions = Evictions(self._residency, self._tiers, self._emit)
         self._background = Background()  # pin retries, retirements
         self._retirer = Retirer(self._residency, self._tiers, self._changed, self._locks.hold)
@@ -513,6 +513,7 @@ class Scheduler:
                 if restored:
                     self._watch(res)
                     return
+                res.flight.engine_since = t0 = self._clock()  # the load's seconds are its own
             # No other model's objects alive: the live ones may be frozen out of the collector.
             alone = not self._residency.holds_others(res)
             self._emit(LoadStartEvent(model=res.label, device=device))

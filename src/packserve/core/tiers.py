@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from packserve.core.backend import Backend, EngineDied
+from packserve.core.backend import Backend, EngineDied, EngineExit
 from packserve.core.events import Event, EvictEvent, LoadEvent, LoadFailedEvent, LoadStartEvent
 from packserve.core.loader import Loader
 from packserve.core.resident import Resident
@@ -29,11 +29,13 @@ class Tiers:
     resident's device lock; `changed` wakes whoever waits for memory."""
 
     def __init__(self, loader: Loader, *, clock: Callable[[], float],
-                 emit: Callable[[Event], None], changed: Callable[[], None]) -> None:
+                 emit: Callable[[Event], None], changed: Callable[[], None],
+                 died: Callable[[Resident, EngineExit, str], object]) -> None:
         self._loader = loader
         self._clock = clock
         self._emit = emit
         self._changed = changed
+        self._died = died  # the scheduler's count of a death (core.crashes)
 
     async def evict_to(self, res: Resident, tier: State, reason: str | None,
                        backend: Backend | None = None, *, cause: str = "retired",
@@ -55,8 +57,12 @@ class Tiers:
         kept: int | None = None
         try:
             if tier is State.WARM:
-                kept = await self._loader.release_weights(backend, res.load, res.bytes,
-                                                          res.label)
+                try:
+                    kept = await self._loader.release_weights(backend, res.load, res.bytes,
+                                                              res.label)
+                except EngineDied as exc:  # counted; a quarantine leaves it FAILED below
+                    self._died(res, exc.exit, "going warm")
+                    kept = None
                 if kept is not None and kept > WARM_KEEPS_AT_MOST * res.bytes:
                     log.info("the warm copy of %s keeps %.0f%% of its bytes (%d of %d): it is "
                              "unloaded, and goes cold from now on", res.label,
@@ -110,15 +116,17 @@ class Tiers:
         try:
             await self._loader.restore(backend, turn)
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            log.warning("restoring %s from the warm tier failed (%s); loading it anew",
-                        res.label, reason)
-            self._emit(LoadFailedEvent(model=res.label, device=device, bytes=res.bytes,
-                                       seconds=self._clock() - t0, reason=reason,
-                                       will_retry=True))
+            died = isinstance(exc, EngineDied)
+            if not died:  # a death is the caller's to count, and its crash rule's to retry
+                reason = f"{type(exc).__name__}: {exc}"
+                log.warning("restoring %s from the warm tier failed (%s); loading it anew",
+                            res.label, reason)
+                self._emit(LoadFailedEvent(model=res.label, device=device, bytes=res.bytes,
+                                           seconds=self._clock() - t0, reason=reason,
+                                           will_retry=True))
             del backend
             await self.drop_warm(res)
-            if isinstance(exc, EngineDied):
+            if died:
                 raise
             return False
         res.warm.backend = None
