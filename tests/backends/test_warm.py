@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from packserve.backends.llama_server import (
 )
 from packserve.backends.runner import UnixHTTP
 from packserve.config import load_config
-from packserve.core.backend import Backend, EngineDied, GenerationParams, Message
+from packserve.core.backend import Backend, EngineDied, Generated, GenerationParams, Message
 from packserve.core.memory import SystemProbe
 from packserve.sources import resolve_source
 from tests.factories import catalog_path
@@ -266,3 +267,39 @@ def test_requests_in_flight_hold_off_a_sleep_and_every_one_is_answered(tmp_path:
         backend.unload()
     assert alive
     assert counts and all(c == want for c in counts), (len(counts), want)
+
+
+def test_a_stream_holds_off_a_sleep_and_a_request_wakes_a_sleeping_runner(
+        tmp_path: Path) -> None:
+    """A sleep asked for while a stream runs is refused (409) once its timeout passes, and the
+    stream ends whole; a request that reaches a runner asleep (none should: the scheduler wakes
+    it first) wakes it and is answered."""
+    backend = _sleeper(catalog_path("smollm2-135m-instruct", tmp_path))
+    chat = [Message(role="user", content="Write a long story about a cat.")]
+    streaming = threading.Event()
+    got: list[Generated] = []
+
+    def slow(piece: str, logprobs: object) -> bool:
+        streaming.set()
+        time.sleep(0.02)  # a slow client: the stream outlasts the sleep's timeout
+        return True
+
+    def stream() -> None:
+        got.append(backend.chat(chat, GenerationParams(max_tokens=64, temperature=0,
+                                                       ignore_eos=True), on_text=slow))
+
+    thread = threading.Thread(target=stream)
+    try:
+        thread.start()
+        assert streaming.wait(30)
+        with pytest.raises(ValueError, match="409"):
+            backend.sleep(busy_s=0.3)
+        thread.join(60)
+        assert got and got[0].completion_tokens == 64
+        assert backend.sleep()
+        assert _get(backend, "/props")["is_sleeping"] is True
+        assert _answer(backend)  # woken by the request itself
+        assert _get(backend, "/props")["is_sleeping"] is False
+    finally:
+        thread.join(60)
+        backend.unload()

@@ -349,11 +349,13 @@ class RunnerBackend(Backend):
         return EngineDied(f"the llama-server runner of {self.name} died {doing} "
                           f"({self.warm_state}; {done.cause})", done)
 
-    def sleep(self) -> bool:
+    def sleep(self, busy_s: float = 30.0) -> bool:
         """llama-server's sleeping state: its model, context, KV cache and compute buffers
         freed, the process kept (scripts/patches/llama-server-sleep.patch). True once asleep;
-        raises OSError, HTTPException or ValueError (a slot stayed busy) if not."""
-        return bool(self._call("/packserve/sleep", {}, PAGES_TIMEOUT_S).get("sleeping"))
+        raises OSError, HTTPException or ValueError (409: a request or a slot stayed busy for
+        `busy_s`) if not."""
+        return bool(self._call("/packserve/sleep", {"timeout_s": busy_s},
+                               PAGES_TIMEOUT_S + busy_s).get("sleeping"))
 
     def wake(self) -> None:
         """Out of the sleeping state: the model loaded again; returns once it serves. A reload
