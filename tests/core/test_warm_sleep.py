@@ -15,7 +15,7 @@ import pytest
 from packserve.config import ModelSpec
 from packserve.core.backend import Backend, LoadSpec
 from packserve.core.catalog import DeviceBudget, Entry
-from packserve.core.events import CrashEvent, EvictEvent, LoadEvent
+from packserve.core.events import CrashEvent, EvictEvent, LoadEvent, LoadFailedEvent
 from packserve.core.scheduler import Scheduler
 from packserve.errors import ModelUnavailable
 from packserve.types import State, Task
@@ -162,6 +162,8 @@ async def test_a_wake_that_kills_the_runner_is_a_death_through_the_one_path() ->
         await use(s, "a")
     third = card.events.of(CrashEvent)[-1]
     assert (third.action, third.deaths) == ("quarantine", 3)
+    # each failed wake ends its load for the front, retried only after the first
+    assert [e.will_retry for e in card.events.of(LoadFailedEvent)] == [True, False, False]
     assert s.state_of("a") is State.FAILED
     assert cuda.used(0) == 0  # no process of a is left on the card
     await use(s, "b")  # the other model serves meanwhile

@@ -507,7 +507,11 @@ class Scheduler:
                     restored = await self._tiers.restore(res, turn)
                 except EngineDied as exc:  # its process died warm or waking: a death
                     verdict = self._died(res, exc.exit, "waking")
-                    if verdict.action is not crashes.Action.RELOAD:
+                    again = verdict.action is crashes.Action.RELOAD
+                    self._emit(LoadFailedEvent(model=res.label, device=device, bytes=res.bytes,
+                                               seconds=self._clock() - t0, reason=str(exc),
+                                               will_retry=again))  # the front's load ends
+                    if not again:
                         raise _Deferred from exc  # its waiters wait out the back-off, or 503
                     restored = False  # loaded anew at once, as after a first death
                 if restored:

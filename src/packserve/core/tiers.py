@@ -117,7 +117,7 @@ class Tiers:
             await self._loader.restore(backend, turn)
         except Exception as exc:
             died = isinstance(exc, EngineDied)
-            if not died:  # a death is the caller's to count, and its crash rule's to retry
+            if not died:  # a death is the caller's to count and say, by its crash rule
                 reason = f"{type(exc).__name__}: {exc}"
                 log.warning("restoring %s from the warm tier failed (%s); loading it anew",
                             res.label, reason)
