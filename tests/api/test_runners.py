@@ -23,7 +23,7 @@ from tests.factories.processes import runner_of
 pytestmark = pytest.mark.real
 
 CHAT = "smollm2-135m-instruct"
-LONG = {"model": CHAT, "max_tokens": 1500, "temperature": 0.8, "stream": True,
+LONG = {"model": CHAT, "max_tokens": 1500, "temperature": 0.8, "stream": True, "ignore_eos": True,
         "messages": [{"role": "user", "content": "Write a very long story about a dragon."}]}
 
 
