@@ -8,6 +8,7 @@
                                               # two busy runners on the same cores
     .venv/bin/python -m benchmarks.runner_checks load-modes  # Q4_0: mapped, read, no repack
     .venv/bin/python -m benchmarks.runner_checks sleep   # each warm state, per quantisation
+    .venv/bin/python -m benchmarks.runner_checks patch-cost BASELINE  # the sleep patch's cost
 
 `drift`: SmolLM2 in one runner with four slots; eight prompts answered alone (greedy, 48
 tokens), then three times four at once; how many answers are identical, with the shared cache
@@ -25,7 +26,14 @@ tuning.md). `sleep`: per quantisation (the default catalog's SmolLM2 Q4_1 and Ge
 Llama-3.2-1B's shape in Q8_0 and Q4_0, the Q4_0 both mapped and read as packserve reads it),
 what a runner holds hot (after an answer), with its file's pages given back (mapped files) and
 asleep (llama-server's sleeping state), and the seconds of a restore, a wake and a new runner,
-each from the page cache (docs/gpu.md, "The warm tier on a GPU"). Prints what it measured;
+each from the page cache (docs/gpu.md, "The warm tier on a GPU"). `patch-cost`: what the
+sleep patch costs a request (it counts every request that uses the model, under the task
+queue's mutex): SmolLM2 in a runner of setup's llama-server against one of BASELINE, a
+llama-server built from the same source, flags and other patches without
+scripts/patches/llama-server-sleep.patch (docs/reliability.md says how to build it), five rounds
+alternating the two, each in fresh processes; as the client sees them, the milliseconds of a
+token count (/tokenize) and of a one-token completion one at a time, the requests/s of four
+clients at once, and the tokens/s of a 128-token greedy stream. Prints what it measured;
 asserts nothing.
 """
 
@@ -37,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -330,6 +339,60 @@ def sleep() -> None:
                   f"(wake / new {med['wake_s'] / med['start_s']:.2f})", flush=True)
 
 
+def patch_cost() -> None:
+    import functools
+    import statistics
+
+    from packserve.backends.llama_server import BINARY_ENV, binary
+
+    builds = {"with the sleep patch": binary(), "without": Path(sys.argv[2]).resolve()}
+    one = GenerationParams(max_tokens=1, temperature=0.0)
+    long = GenerationParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+
+    def per_call(call: Callable[[], object], n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        return (time.perf_counter() - t0) / n
+
+    rows: dict[str, dict[str, list[float]]] = {name: {} for name in builds}
+    names = list(builds)
+    for round_ in range(5):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            os.environ[BINARY_ENV] = str(builds[name])
+            backend = runner()
+            try:
+                backend.complete("Once upon a time", one)  # first touch of weights and buffers
+                seen = rows[name]
+                seen.setdefault("tokenize_ms", []).append(1000 * per_call(
+                    functools.partial(backend.count_tokens, ["Once upon a time"]), 200))
+                seen.setdefault("complete_ms", []).append(1000 * per_call(
+                    functools.partial(backend.complete, "Once upon a time", one), 100))
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(4) as pool:
+                    list(pool.map(lambda _, b=backend: b.complete("Once upon a time", one),
+                                  range(200)))
+                seen.setdefault("four_rps", []).append(200 / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                tokens = backend.complete("Once upon a time", long).completion_tokens
+                seen.setdefault("stream_tps", []).append(tokens / (time.perf_counter() - t0))
+            finally:
+                backend.unload()
+    os.environ.pop(BINARY_ENV)
+    labels = {"tokenize_ms": "a token count, ms", "complete_ms": "a one-token completion, ms",
+              "four_rps": "four clients, requests/s", "stream_tps": "128-token stream, tokens/s"}
+    med = {name: {k: statistics.median(v) for k, v in seen.items()}
+           for name, seen in rows.items()}
+    print("| measure | " + " | ".join(names) + " | with / without |")
+    print("|---|" + "---:|" * (len(names) + 1))
+    for key, label in labels.items():
+        a, b = (med[n][key] for n in names)
+        print(f"| {label} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
+    print("every round:", {n: {k: [round(x, 2) for x in v] for k, v in r.items()}
+                           for n, r in rows.items()})
+
+
 if __name__ == "__main__":
     {"drift": drift, "contention": contention, "start": start, "embed": embed,
-     "warm": warm, "load-modes": load_modes, "sleep": sleep}[sys.argv[1]]()
+     "warm": warm, "load-modes": load_modes, "sleep": sleep,
+     "patch-cost": patch_cost}[sys.argv[1]]()
