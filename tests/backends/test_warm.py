@@ -147,7 +147,7 @@ def test_a_runner_that_died_while_warm_is_not_restored(tmp_path: Path) -> None:
         assert backend.exited(10) is not None  # reaped
         with pytest.raises(EngineDied) as died:  # the scheduler counts it, loads it anew
             backend.restore_weights()
-        assert died.value.exit.cause == "SIGKILL"
+        assert died.value.exit.cause == "SIGKILL" and died.value.doing == "warm"
         assert not backend.release_weights()  # nothing left to release: unloaded
     finally:
         backend.unload()
@@ -195,7 +195,7 @@ def test_a_wake_that_cannot_load_the_model_is_the_runners_death(tmp_path: Path) 
         path.unlink()
         with pytest.raises(EngineDied) as died:
             backend.restore_weights()
-        assert died.value.exit.cause == "SIGABRT", died.value.exit
+        assert died.value.exit.cause == "SIGABRT" and died.value.doing == "waking", died.value.exit
         log = Path(died.value.exit.log).read_text()  # the tail is ggml's backtrace
         assert "failed to reload model after sleeping" in log
     finally:

@@ -170,6 +170,25 @@ async def test_a_wake_that_kills_the_runner_is_a_death_through_the_one_path() ->
     await s.close()
 
 
+async def test_a_runner_found_dead_asleep_is_counted_as_a_warm_death_and_loaded_anew() -> None:
+    """Killed while asleep, its reaper's report still on its way when a request wakes it: the
+    restore finds it gone, and the death is counted once, as a death while warm (not waking);
+    the request is answered by a new runner."""
+    card = Card([model("a", 4096)], 6 * GIB)
+    s = card.scheduler
+    await s.start()
+    await use(s, "a")
+    await s.offload("a")
+    dead = card.runner("a")
+    dead.killed_asleep = True
+    await use(s, "a")
+    assert card.runner("a") is not dead and s.state_of("a") is State.HOT
+    [crash] = card.events.of(CrashEvent)
+    assert (crash.doing, crash.action, crash.signal, crash.deaths) == (
+        "warm", "reload", "SIGKILL", 1)
+    await s.close()
+
+
 async def test_a_runner_that_dies_going_to_sleep_is_counted_and_goes_cold() -> None:
     """It crashed freeing its buffers: a death (doing "going warm"), and the eviction unloads
     it; the next request loads it anew."""

@@ -235,7 +235,8 @@ class SleepingRunner(FakeBackend):
     KV cache and compute buffers; its bytes are what NVML says its pid holds. Its warm state is
     the sleeping state: every buffer freed (ggml frees them: no cache keeps them), the context
     kept; its wake allocates them again (MemoryError past the card's total) or, with
-    `wake_dies`, aborts: the process and all it held are gone, and EngineDied says so. Its
+    `wake_dies`, aborts: the process and all it held are gone, and EngineDied says so (with
+    `killed_asleep`, it was killed asleep and its restore finds it gone first). Its
     bytes are read as the real runner reads them (`runner_device_bytes`, through `nvml`: 0
     where NVML gives no per-process figure)."""
 
@@ -245,6 +246,7 @@ class SleepingRunner(FakeBackend):
     nvml: FakeNvml
     wake_dies: bool = False
     sleep_dies: bool = False
+    killed_asleep: bool = False  # its reaper's report never reaches the scheduler
 
     def _index(self) -> int:
         return _index(self.spec.device)
@@ -273,17 +275,19 @@ class SleepingRunner(FakeBackend):
         return True
 
     def restore_weights(self) -> None:
+        if self.killed_asleep:
+            self._abort("warm", "SIGKILL")
         if self.wake_dies:
             self._abort("waking")
         self.cuda.malloc(self.pid, self._index(), declared_bytes(self.spec))
         super().restore_weights()
 
-    def _abort(self, doing: str) -> None:
+    def _abort(self, doing: str, signal: str = "SIGABRT") -> None:
         self._exit()
         self._loaded = self._warm = False
-        raise EngineDied(f"the runner of {self.name} died {doing} (SIGABRT)", EngineExit(
-            pid=self.pid, status=None, signal="SIGABRT", oom_kill=None,
-            log_tail="failed to reload model after sleeping", log=""))
+        raise EngineDied(f"the runner of {self.name} died {doing} ({signal})", EngineExit(
+            pid=self.pid, status=None, signal=signal, oom_kill=None,
+            log_tail="failed to reload model after sleeping", log=""), doing)
 
     def restore_share(self) -> float | None:
         return RESTORE_SHARE[WarmState.SLEEP]

@@ -312,7 +312,7 @@ class RunnerBackend(Backend):
                 return self.sleep()
             done = self.pages("release")
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            died = self._died_warm(exc, "going warm")
+            died = self._died_warm(exc, "going warm", "going warm")
             if isinstance(died, EngineDied):  # it crashed (freeing its buffers): a death
                 raise died from exc
             log.warning("the runner of %s could not go warm (%s, %s); it is unloaded",
@@ -326,8 +326,8 @@ class RunnerBackend(Backend):
         or it wakes, loading the model again, and answers once it serves. Raises EngineDied
         if the runner died (while warm, or in its wake: a reload that fails aborts it), for
         the scheduler to count; RunnerGone if it could not and lives."""
-        if not self.child.alive():
-            raise self._died_warm(None, "warm")
+        if not self.child.alive():  # it died warm: the reaper's report may be on its way
+            raise self._died_warm(None, "while warm", "warm")
         try:
             if self.warm_state is WarmState.SLEEP:
                 self.wake()
@@ -337,17 +337,17 @@ class RunnerBackend(Backend):
             raise self.child.hung(f"did not come back from warm ({self.warm_state}) in "
                                   f"time") from exc
         except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise self._died_warm(exc, "coming back from warm") from exc
+            raise self._died_warm(exc, "coming back from warm", "waking") from exc
 
-    def _died_warm(self, exc: BaseException | None, doing: str) -> Exception:
-        """A move to or from warm that failed: EngineDied if the runner is gone (waiting a
-        moment for its reaper where the connection broke), else RunnerGone (it answered an
-        error, or was stopped)."""
+    def _died_warm(self, exc: BaseException | None, words: str, doing: str) -> Exception:
+        """A move to or from warm that failed: EngineDied (`doing`, the crash's label) if the
+        runner is gone (waiting a moment for its reaper where the connection broke), else
+        RunnerGone (it answered an error, or was stopped)."""
         done = self.child.exited(0.0 if isinstance(exc, ValueError) else 2.0)
         if done is None:
             return self._gone(exc)
-        return EngineDied(f"the llama-server runner of {self.name} died {doing} "
-                          f"({self.warm_state}; {done.cause})", done)
+        return EngineDied(f"the llama-server runner of {self.name} died {words} "
+                          f"({self.warm_state}; {done.cause})", done, doing)
 
     def sleep(self, busy_s: float = 30.0) -> bool:
         """llama-server's sleeping state: its model, context, KV cache and compute buffers

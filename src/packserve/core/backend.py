@@ -230,11 +230,14 @@ class EngineDied(RuntimeError):
     """Raised by `load()` or `restore_weights()` of an engine in a process of its own when that
     process ended before it served, or was killed for not serving within its start deadline
     (`exit.hung`). The scheduler counts it as a death of the model (core.crashes) besides a failed
-    load."""
+    load. `doing`: what the process was doing when it died, where the raiser knows better than
+    its caller ("warm": found dead before a restore began, its reaper's report still on its
+    way); None: what the caller was asking of it."""
 
-    def __init__(self, message: str, exit: EngineExit) -> None:
+    def __init__(self, message: str, exit: EngineExit, doing: str | None = None) -> None:
         super().__init__(message)
         self.exit = exit
+        self.doing = doing
 
 # Called with each new piece of text and the logprobs of the tokens that made it (empty unless
 # asked); returning False asks the backend to stop early.

@@ -506,7 +506,7 @@ class Scheduler:
                 try:
                     restored = await self._tiers.restore(res, turn)
                 except EngineDied as exc:  # its process died warm or waking: a death
-                    verdict = self._died(res, exc.exit, "waking")
+                    verdict = self._died(res, exc.exit, exc.doing or "waking")
                     again = verdict.action is crashes.Action.RELOAD
                     self._emit(LoadFailedEvent(model=res.label, device=device, bytes=res.bytes,
                                                seconds=self._clock() - t0, reason=str(exc),

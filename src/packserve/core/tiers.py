@@ -61,7 +61,7 @@ class Tiers:
                     kept = await self._loader.release_weights(backend, res.load, res.bytes,
                                                               res.label)
                 except EngineDied as exc:  # counted; a quarantine leaves it FAILED below
-                    self._died(res, exc.exit, "going warm")
+                    self._died(res, exc.exit, exc.doing or "going warm")
                     kept = None
                 if kept is not None and kept > WARM_KEEPS_AT_MOST * res.bytes:
                     log.info("the warm copy of %s keeps %.0f%% of its bytes (%d of %d): it is "
