@@ -10,9 +10,13 @@ The front (packserve.front) starts it with `python -m packserve.worker` and thes
   process dies the front knows which models' engines were running: those are charged with the
   crash; every other request is safe to send again. After an operator's load succeeds it writes
   one more (`operator_loaded`): the front then lifts that model's quarantine and forgets its
-  charges;
-- `PACKSERVE_QUARANTINE`: JSON `{model: reason}`, models charged with repeated crashes, which
-  stay failed until an operator loads them.
+  charges; after a runner's death, one (`exit`) with the crash rule's verdict on it;
+- `PACKSERVE_QUARANTINE`: JSON `{model: {"action": "backoff" | "quarantine", "for_s": s,
+  "reason": text}}`, the models the crash rule (core.crashes) holds back, by the deaths of
+  earlier workers or of runners, each for its seconds left;
+- `PACKSERVE_DEATHS`: JSON `{model: [seconds ago, ...]}`, the deaths of each model's runners
+  under earlier workers: the crash rule counts them with this worker's, so a restart does not
+  give a model a clean slate.
 
 Nothing else starts it. It dies with the front (PR_SET_PDEATHSIG), and writes Python's own
 traceback of every thread to stderr if it crashes in native code (faulthandler).
@@ -40,6 +44,7 @@ ENV_CONFIG = "PACKSERVE_WORKER_CONFIG"
 ENV_SOCKET = "PACKSERVE_WORKER_SOCKET"
 ENV_CONTROL_FD = "PACKSERVE_CONTROL_FD"
 ENV_QUARANTINE = "PACKSERVE_QUARANTINE"
+ENV_DEATHS = "PACKSERVE_DEATHS"
 ENV_FRONT_PID = "PACKSERVE_FRONT_PID"
 
 # How long the worker keeps an idle connection from the front open: far longer than the front
@@ -74,7 +79,7 @@ class ControlChannel:
         self._dumps = orjson.dumps  # twice per request: faster than the json module
         self._events = events
 
-    def send(self, message: dict[str, str]) -> None:
+    def send(self, message: dict[str, object]) -> None:
         data = self._dumps(message) + b"\n"
         if len(data) > 4000:  # ids and names are at most 128 characters: never happens
             log.error("control line too long, not sent: %r", data[:200])
@@ -102,7 +107,9 @@ class ControlChannel:
         elif isinstance(event, events.CrashEvent):
             # A runner's death: the front counts it beside its worker's own
             # (packserve_engine_crashes{model,signal}).
-            self.send({"k": "exit", "model": event.model, "signal": event.signal})
+            self.send({"k": "exit", "model": event.model, "signal": event.signal,
+                       "doing": event.doing, "action": event.action,
+                       "for_s": event.retry_in_s, "deaths": event.deaths})
         elif isinstance(event, events.OperatorLoadEvent):
             # Written before the admin route answers 200, on a pipe the front's event loop
             # reads: the front has acted on it before it reads any request its client sends
@@ -132,16 +139,17 @@ def main() -> int:
     config = Config.model_validate_json(Path(os.environ[ENV_CONFIG]).read_text("utf-8"))
     configure_logging(config.server.log_level)
     quarantine: dict[str, dict[str, Any]] = json.loads(os.environ.get(ENV_QUARANTINE) or "{}")
+    deaths: dict[str, list[float]] = json.loads(os.environ.get(ENV_DEATHS) or "{}")
     control = ControlChannel(int(os.environ[ENV_CONTROL_FD]))
     try:
-        return asyncio.run(_serve(config, os.environ[ENV_SOCKET], control, quarantine))
+        return asyncio.run(_serve(config, os.environ[ENV_SOCKET], control, quarantine, deaths))
     except ConfigError as exc:
         print(f"packserve: {exc.message}", file=sys.stderr)
         return EXIT_CONFIG
 
 
 async def _serve(config: Any, socket_path: str, control: ControlChannel,
-                 quarantine: dict[str, dict[str, Any]]) -> int:
+                 quarantine: dict[str, dict[str, Any]], deaths: dict[str, list[float]]) -> int:
     from fastapi.responses import JSONResponse
 
     from packserve import uvicorn_server
@@ -161,7 +169,9 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     # One-time work of a first start (assembling a packaged model) shows in the front's /readyz.
     scheduler = build_scheduler(config, sinks=(log_event, control.on_event),
                                 announce=control.pending)
-    # What the front's crash rule (core.crashes) made of the deaths of earlier workers.
+    # The deaths the front has seen (earlier workers' charged to a model, its runners' under
+    # them), and what the crash rule (core.crashes) made of them.
+    scheduler.remember_deaths({name: [float(a) for a in ages] for name, ages in deaths.items()})
     for name, rule in quarantine.items():
         if name not in scheduler.model_names():
             continue

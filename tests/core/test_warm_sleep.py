@@ -170,6 +170,29 @@ async def test_a_wake_that_kills_the_runner_is_a_death_through_the_one_path() ->
     await s.close()
 
 
+async def test_deaths_before_the_worker_started_count_with_the_next() -> None:
+    """The front hands a new worker each model's deaths (seconds ago; a shared load's names
+    each bring the same ones, counted once): two within crash_window_s make the next death
+    the third, a quarantine; one outside the window does not count."""
+    a = model("a", 4096)
+    b = Entry(spec=ModelSpec(name="b", tasks=[Task.EMBED], backend="fake", source="fake:4096MiB",
+                             device="cuda:0"),
+              load=a.load, bytes_estimated=a.bytes_estimated)  # one load, two names
+    card = Card([a, b], 6 * GIB)
+    s = card.scheduler
+    # each name brings the deaths it was charged; a name not served is skipped
+    s.remember_deaths({"a": [20.0, 10.0, 4000.0], "b": [10.0], "gone": [5.0]})
+    await s.start()
+    await use(s, "a")
+    await s.offload("a")
+    card.runner("a").wake_dies = True
+    with pytest.raises(ModelUnavailable, match="died 3 times"):
+        await use(s, "b")
+    [crash] = card.events.of(CrashEvent)
+    assert (crash.model, crash.action, crash.deaths) == ("a+b", "quarantine", 3)
+    await s.close()
+
+
 async def test_a_runner_found_dead_asleep_is_counted_as_a_warm_death_and_loaded_anew() -> None:
     """Killed while asleep, its reaper's report still on its way when a request wakes it: the
     restore finds it gone, and the death is counted once, as a death while warm (not waking);

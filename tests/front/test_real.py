@@ -132,6 +132,57 @@ def test_a_killed_runner_is_seen_counted_and_its_log_kept(real_served: Served,
     assert len(crash) == 1 and crash[0]["doing"] == "idle" and crash[0]["action"] == "reload"
 
 
+def test_a_workers_restart_keeps_its_runners_deaths(models_dir: Path, tmp_path: Path) -> None:
+    """SmolLM2's runner killed twice (loaded again, then backed off), then the worker, with no
+    request in flight: the new worker is told those deaths, so the runner's next death is the
+    third within crash_window_s and quarantines it (a clean slate would load it again). Killed
+    once more, the next worker starts it quarantined; an operator's load lifts it."""
+    text = default_catalog_text().replace("[server]", f'[server]\ndata_dir = "{models_dir}"', 1)
+    config = tmp_path / "packserve.toml"
+    config.write_text(text, "utf-8")
+    short = {**STORY, "stream": False, "max_tokens": 4}
+    with serve_process(config, tmp_path, "--models", SMOL) as srv, srv.client() as c:
+        def state() -> str:
+            rows = c.get("/v1/residency").json()["models"]
+            return str(next(m for m in rows if m["name"] == SMOL)["state"])
+
+        def kill_runner() -> None:
+            os.kill(runner_of("SmolLM2", parent=srv.worker_pid()), signal.SIGKILL)
+            deadline = time.monotonic() + 30  # bounds the wait; asserts no time
+            while state() == "hot":
+                assert time.monotonic() < deadline, "the runner's death was never seen"
+                time.sleep(0.02)
+
+        def restart_worker() -> None:
+            worker = srv.worker_pid()
+            os.kill(worker, signal.SIGKILL)
+            srv.wait_ready(other_than_pid=worker)
+
+        assert c.post(CHAT, json=short).status_code == 200
+        kill_runner()  # first: loaded again by the next request
+        assert c.post(CHAT, json=short).status_code == 200
+        kill_runner()  # second: a back-off, which the front holds too
+        worker = srv.health()["worker"]
+        assert isinstance(worker, dict) and SMOL in worker["backing_off"], worker
+        restart_worker()
+        assert c.post(CHAT, json=short).status_code == 200  # the rest of the back-off waited
+        kill_runner()  # third within crash_window_s, counted across the restart
+        refused = c.post(CHAT, json=short)
+        assert refused.status_code == 503 and "quarantined" in refused.text, refused.text
+        assert "died 3 times" in refused.json()["error"]["message"]
+        restart_worker()
+        refused = c.post(CHAT, json=short)  # quarantined from its start, with its reason
+        assert refused.status_code == 503 and "died 3 times" in refused.text, refused.text
+        worker = srv.health()["worker"]
+        assert isinstance(worker, dict) and SMOL in worker["quarantined"], worker
+        assert c.post(f"/v1/residency/{SMOL}/load").json()["state"] == "hot"
+        assert c.post(CHAT, json=short).status_code == 200
+        worker = srv.health()["worker"]
+        assert isinstance(worker, dict) and worker["quarantined"] == {}, worker
+    runner_deaths = [(e["action"], e["deaths"]) for e in srv.events("crash") if "action" in e]
+    assert runner_deaths == [("reload", 1), ("backoff", 2), ("quarantine", 3)]
+
+
 def test_a_first_start_says_in_readyz_what_it_is_assembling(tmp_path: Path) -> None:
     # A fresh data dir: Gemma's GGUF is assembled from its package's chunks, once. The port is
     # open meanwhile, and /readyz says what the worker is busy with.

@@ -10,7 +10,9 @@ lock busy; the third within the window quarantines it: requests get 503 with the
 (`failure_cooldown_s` is the other rule: for a load that fails, not a process that dies.)
 
 `judge` is pure: the scheduler applies it to its runners' deaths, the front's supervisor to
-its worker's, each keeping the times of the deaths it saw.
+its worker's, each on its own history. The front keeps both (the worker reports each runner's
+death and its verdict) and hands the runners' deaths, and the verdicts in force, to each new
+worker: a worker's restart gives no model a clean slate.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class Verdict:
                     f"after a {self.delay_s:g} s back-off")
         return (f"death {self.deaths} within crash_window_s ({window_s:g} s): quarantined for "
                 f"{self.delay_s:g} s, or until an operator loads it")
+
+
+def quarantine_reason(deaths: int, cause: str, doing: str) -> str:
+    """Why a runner's model is quarantined: what its 503 and the status page say."""
+    return (f"its engine process died {deaths} times within crash_window_s, last {cause} "
+            f"while {doing}")
 
 
 def judge(deaths: Sequence[float], window_s: float) -> Verdict:

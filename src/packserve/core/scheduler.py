@@ -603,8 +603,7 @@ class Scheduler:
         if verdict.action is crashes.Action.BACKOFF:
             res.restart_at = now + verdict.delay_s
         elif verdict.action is crashes.Action.QUARANTINE:
-            res.quarantine = f"its engine process died {verdict.deaths} times within " \
-                             f"crash_window_s, last {cause} while {doing}"
+            res.quarantine = crashes.quarantine_reason(verdict.deaths, cause, doing)
             res.quarantine_until = now + verdict.delay_s
         self._emit(CrashEvent(model=res.label, device=res.load.device, pid=exit.pid,
                               signal=cause, doing=doing, action=verdict.action.value,
@@ -737,6 +736,21 @@ class Scheduler:
         elif res.state is not State.FAILED:
             self._background.spawn(self._retirer.retire(res, f"quarantined: {reason}"),
                         f"packserve quarantine {res.label}")
+
+    def remember_deaths(self, ages_s: Mapping[str, Sequence[float]]) -> None:
+        """Deaths of each named model's engine processes before this worker started (each so
+        many seconds ago: the front's history, core.crashes): the crash rule counts them with
+        the deaths to come. Called at the worker's start; a load shared by several names
+        counts the deaths of each, those they share once. Names not served are skipped."""
+        now = self._clock()
+        ages: dict[Resident, set[float]] = {}
+        for name, seen in ages_s.items():
+            if name in self._residency.models:
+                ages.setdefault(self._residency.model(name).resident, set()).update(seen)
+        for res, known in ages.items():
+            times = sorted({*res.deaths, *(now - age for age in known)})
+            res.deaths.clear()
+            res.deaths.extend(times[-(res.deaths.maxlen or len(times)):])
 
     def back_off(self, name: str, seconds: float) -> None:
         """Let `name` load again only after `seconds`: its engine crashed the worker again

@@ -13,7 +13,11 @@ has passed. This supervisor keeps the charges, hands the back-offs and quarantin
 worker (PACKSERVE_QUARANTINE: each with its seconds left), and forgets them, with the model's
 charges, when the worker reports on the pipe that an operator's load of that model succeeded
 (`operator_loaded`). The deaths of runner processes are the worker's scheduler's to judge; the
-worker reports each on the pipe (`exit`) and `on_runner_crash` counts it.
+worker reports each on the pipe (`exit`, with its verdict): `on_runner_crash` counts it, and
+the supervisor keeps it (apart from the worker's charges: a runner's model is not the worker's
+death, nor the other way round) and holds its verdict, so that the next worker is told both
+(PACKSERVE_DEATHS: each model's runner deaths, so many seconds ago; PACKSERVE_QUARANTINE) and
+a worker's restart gives no model a clean slate.
 
 Invariants: everything here runs on the front's event loop; `Supervisor.current` is the newest
 generation; a `Worker.dead` future is resolved exactly once, after the process has exited and
@@ -46,6 +50,7 @@ from packserve.front import upstream
 from packserve.worker import (
     ENV_CONFIG,
     ENV_CONTROL_FD,
+    ENV_DEATHS,
     ENV_FRONT_PID,
     ENV_QUARANTINE,
     ENV_SOCKET,
@@ -119,8 +124,10 @@ class Worker:
     started_at: float
     # Called with a model's name when the worker reports that an operator's load of it succeeded.
     on_operator_load: Callable[[str], None]
-    # Called with a runner's models ("a+b") and its death's cause when the worker reports one.
-    on_runner_exit: Callable[[str, str], None] = lambda _model, _cause: None
+    # Called with a runner's models ("a+b"), its death's cause, what it was doing and the crash
+    # rule's verdict when the worker reports one.
+    on_runner_exit: Callable[[str, str, str, crashes.Verdict], None] = \
+        lambda _model, _cause, _doing, _verdict: None
     up: asyncio.Event = field(default_factory=asyncio.Event)
     up_at: float = 0.0
     dead: asyncio.Future[Crash | None] = field(
@@ -169,7 +176,14 @@ class Worker:
         elif kind == "operator_loaded":
             self.on_operator_load(msg["model"])
         elif kind == "exit":
-            self.on_runner_exit(str(msg["model"]), str(msg["signal"]))
+            try:
+                verdict = crashes.Verdict(crashes.Action(msg["action"]), float(msg["for_s"]),
+                                          int(msg["deaths"]))
+            except (KeyError, TypeError, ValueError):
+                log.error("unreadable runner death from worker %d: %r", self.generation, msg)
+                return
+            self.on_runner_exit(str(msg["model"]), str(msg["signal"]), str(msg["doing"]),
+                                verdict)
 
 
 class Supervisor:
@@ -196,6 +210,7 @@ class Supervisor:
         self._early_deaths = 0
         self.crashes: deque[Crash] = deque(maxlen=50)
         self._charges: dict[str, deque[float]] = {}
+        self._runner_deaths: dict[str, deque[float]] = {}  # the worker's scheduler judges them
         self.quarantined: dict[str, str] = {}
         # model -> (the crash rule's action, until when on this clock)
         self._held: dict[str, tuple[crashes.Action, float]] = {}
@@ -270,6 +285,7 @@ class Supervisor:
             log.info("%s: quarantine lifted by an operator's load", model)
         self._held.pop(model, None)
         self._charges.pop(model, None)
+        self._runner_deaths.pop(model, None)
 
     def hold(self, model: str, verdict: crashes.Verdict, reason: str) -> None:
         """Apply the crash rule's `verdict` on `model`: from the next worker on, it backs off
@@ -280,10 +296,23 @@ class Supervisor:
             self.quarantined[model] = reason
         self._held[model] = (verdict.action, self._clock() + verdict.delay_s)
 
-    def _runner_exit(self, model: str, cause: str) -> None:
-        if self._on_runner_crash is not None:
-            for name in model.split("+"):
+    def _runner_exit(self, model: str, cause: str, doing: str,
+                     verdict: crashes.Verdict) -> None:
+        """A runner of `model` ("a+b": one load of both) died, and the worker's scheduler
+        judged it: counted, kept under each name and held (`hold`) for the next worker."""
+        now = self._clock()
+        reason = crashes.quarantine_reason(verdict.deaths, cause, doing)
+        for name in model.split("+"):
+            self._runner_deaths.setdefault(name, deque(maxlen=8)).append(now)
+            self.hold(name, verdict, reason)
+            if self._on_runner_crash is not None:
                 self._on_runner_crash(name, cause)
+
+    def _ages(self) -> dict[str, list[float]]:
+        """Each model's runner deaths, as seconds ago: what the next worker is told."""
+        now = self._clock()
+        return {model: [round(now - t, 3) for t in times]
+                for model, times in self._runner_deaths.items() if times}
 
     def _rules(self) -> dict[str, dict[str, object]]:
         """What the next worker is told of each model the crash rule holds back: the action,
@@ -327,6 +356,7 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         env = {**os.environ, ENV_CONFIG: str(config_path), ENV_SOCKET: str(socket_path),
                ENV_CONTROL_FD: str(write_fd), ENV_QUARANTINE: json.dumps(self._rules()),
+               ENV_DEATHS: json.dumps(self._ages()),
                ENV_FRONT_PID: str(os.getpid())}
         try:
             # Its own session: a Ctrl-C in the terminal reaches the front, which drains and
