@@ -177,13 +177,13 @@ class Worker:
             self.on_operator_load(msg["model"])
         elif kind == "exit":
             try:
+                model, cause, doing = str(msg["model"]), str(msg["signal"]), str(msg["doing"])
                 verdict = crashes.Verdict(crashes.Action(msg["action"]), float(msg["for_s"]),
                                           int(msg["deaths"]))
             except (KeyError, TypeError, ValueError):
                 log.error("unreadable runner death from worker %d: %r", self.generation, msg)
                 return
-            self.on_runner_exit(str(msg["model"]), str(msg["signal"]), str(msg["doing"]),
-                                verdict)
+            self.on_runner_exit(model, cause, doing, verdict)
 
 
 class Supervisor:
