@@ -69,7 +69,7 @@ MODELS = (CHAT_MODEL, EXTRACT_MODEL)
 CHAT = "/v1/chat/completions"
 SHORT = {"model": CHAT_MODEL, "max_tokens": 4,
          "messages": [{"role": "user", "content": "Say hello."}]}
-LONG = {"model": CHAT_MODEL, "max_tokens": 512, "stream": True,
+LONG = {"model": CHAT_MODEL, "max_tokens": 512, "stream": True, "ignore_eos": True,
         "messages": [{"role": "user", "content": "Write a long story about a lighthouse keeper "
                       "and a storm, with many details."}]}
 RESIDENCY_POLL_S = 0.02

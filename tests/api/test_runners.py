@@ -18,7 +18,7 @@ import pytest
 
 from packserve.core.events import RequestEvent
 from tests.factories import Running, default_config, serve
-from tests.factories.processes import runner_of
+from tests.factories.processes import cpu_ticks, runner_of
 
 pytestmark = pytest.mark.real
 
@@ -36,11 +36,6 @@ def server(models_dir: Path) -> Iterator[Running]:
 def _completion_tokens(server: Running) -> int:
     return sum(e.completion_tokens for e in server.events
                if isinstance(e, RequestEvent) and e.model == CHAT)
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def test_a_plain_stream_is_the_runners_with_the_catalogs_name(server: Running) -> None:
@@ -89,10 +84,10 @@ def test_a_client_that_leaves_stops_the_runners_generation(server: Running) -> N
                 break
     runner = runner_of("SmolLM2")
     time.sleep(0.5)  # the runner sees the closed connection at its next token
-    start = _cpu_ticks(runner)
+    start = cpu_ticks(runner)
     time.sleep(1.0)
     # Generating, its threads take most of both cores (~100+ ticks/s); stopped, next to none.
-    assert _cpu_ticks(runner) - start < 15
+    assert cpu_ticks(runner) - start < 15
 
 
 def test_a_runner_killed_mid_stream_ends_that_stream_and_the_next_is_served(

@@ -167,7 +167,8 @@ def test_a_runner_that_dies_fails_its_request_and_its_reaper_reports_it_once(
 
         def long() -> None:
             try:
-                backend.complete("Once upon a time", GenerationParams(max_tokens=2000), going)
+                backend.complete("Once upon a time",
+                                 GenerationParams(max_tokens=2000, ignore_eos=True), going)
             except BaseException as exc:
                 errors.append(exc)
 

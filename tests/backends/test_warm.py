@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -279,23 +278,22 @@ def test_a_stream_holds_off_a_sleep_and_a_request_wakes_a_sleeping_runner(
     streaming = threading.Event()
     got: list[Generated] = []
 
-    def slow(piece: str, logprobs: object) -> bool:
+    def started(piece: str, logprobs: object) -> bool:
         streaming.set()
-        time.sleep(0.02)  # a slow client: the stream outlasts the sleep's timeout
         return True
 
-    def stream() -> None:
-        got.append(backend.chat(chat, GenerationParams(max_tokens=64, temperature=0,
-                                                       ignore_eos=True), on_text=slow))
+    def stream() -> None:  # 256 tokens: ~2.4 s here, far past the sleep's 0.05 s timeout
+        got.append(backend.chat(chat, GenerationParams(max_tokens=256, temperature=0,
+                                                       ignore_eos=True), on_text=started))
 
     thread = threading.Thread(target=stream)
     try:
         thread.start()
         assert streaming.wait(30)
         with pytest.raises(ValueError, match="409"):
-            backend.sleep(busy_s=0.3)
+            backend.sleep(busy_s=0.05)
         thread.join(60)
-        assert got and got[0].completion_tokens == 64
+        assert got and got[0].completion_tokens == 256
         assert backend.sleep()
         assert _get(backend, "/props")["is_sleeping"] is True
         assert _answer(backend)  # woken by the request itself

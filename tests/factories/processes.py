@@ -26,6 +26,12 @@ def runners(parent: int | None = None) -> dict[int, str]:
     return out
 
 
+def cpu_ticks(pid: int) -> int:
+    """The CPU time (user + system, in clock ticks) process `pid` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def runner_of(model_file: str, parent: int | None = None) -> int:
     """The pid of the one runner of `parent` whose command line names `model_file`."""
     (pid,) = [p for p, command in runners(parent).items() if model_file in command]

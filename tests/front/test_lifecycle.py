@@ -22,7 +22,6 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
     with serve_process(fake_config(tmp_path, drain_s=20), tmp_path) as srv:
         slow = srv.post_later(CHAT, chat_body("@@sleep=3 done"))
         srv.wait_in_flight("gen")
-        t_term = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         # While draining: the socket accepts, /readyz says 503, new work gets 503 + Retry-After.
         deadline = time.monotonic() + 5
@@ -41,8 +40,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(tmp_path: Path) -> None:
         r = slow.result(timeout=30)
         assert r.status_code == 200
         assert r.json()["choices"][0]["message"]["content"].endswith("done")
-        assert srv.proc.wait(timeout=30) == 0
-        assert time.monotonic() - t_term < 20
+        assert srv.proc.wait(timeout=20) == 0  # within drain_s, not waiting on anything more
         log = srv.log()
         assert "drained in" in log
 

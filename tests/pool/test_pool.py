@@ -29,8 +29,8 @@ from tests.factories.sdk import assert_response_failed
 pytestmark = pytest.mark.real
 
 EMBED, CHAT, SPILL = "all-minilm-l6-v2", "smollm2-135m-instruct", "spill-target"
-# Greedy SmolLM2 answers this with all 400 tokens (sampled, "Count from 1 to 200." ended after
-# 7 tokens once, before the kill reached the replica).
+# Greedy SmolLM2 answers this past 1,600 tokens (sampled, "Count from 1 to 200." ended after 7
+# tokens once, before the kill reached the replica); chat and completions ignore the end too.
 LONG_ASK = "Write a long essay about the history of the sea."
 # MiniLM (~87 MiB) and SmolLM2 (~160 MiB) fit together; the spill target (a fake engine with a
 # declared 240 MiB, so its measured size is known to the byte) fits beside neither. Gemma 3 is
@@ -267,8 +267,8 @@ def test_a_killed_replicas_models_are_served_elsewhere(pool: Pool) -> None:
         model=EMBED, input="before").headers["x-packserve-replica"]
     # A generation running on the replica when it dies gets an error that says so.
     stream = client.chat.completions.create(
-        model=CHAT, messages=[{"role": "user", "content": LONG_ASK}], max_tokens=400,
-        temperature=0, stream=True)
+        model=CHAT, messages=[{"role": "user", "content": LONG_ASK}], max_tokens=1600,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
     chat_at = stream.response.headers["x-packserve-replica"]
     next(iter(stream))  # it has started
     _kill(chat_at)
@@ -293,7 +293,8 @@ def test_a_completions_stream_cut_by_a_killed_replica_is_an_api_error(pool: Pool
     """/v1/completions streams end as chat's do through the pool: an error event in OpenAI's
     shape, then [DONE]; the openai SDK raises it as APIError with its code."""
     stream = pool.client().completions.create(
-        model=CHAT, prompt="1, 2, 3, 4, 5,", max_tokens=400, temperature=0, stream=True)
+        model=CHAT, prompt="1, 2, 3, 4, 5,", max_tokens=1600, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
     replica = stream.response.headers["x-packserve-replica"]
     next(iter(stream))  # it has started
     _kill(replica)
@@ -311,7 +312,7 @@ def test_a_responses_stream_cut_by_a_killed_replica_ends_with_typed_events(pool:
     from the last event relayed, not chat's `data: {"error"}` + [DONE]."""
     client = pool.client()
     with client.responses.with_streaming_response.create(
-            model=CHAT, input=LONG_ASK, max_output_tokens=400, temperature=0,
+            model=CHAT, input=LONG_ASK, max_output_tokens=1600, temperature=0,
             stream=True) as raw:
         replica = raw.headers["x-packserve-replica"]
         events = raw.parse()
