@@ -61,8 +61,9 @@ log = logging.getLogger("packserve.worker")
 
 class ControlChannel:
     """The worker's half of the pipe to the front, and its only writer: one JSON line (`k`
-    says what) per engine call start and end, per operator load that succeeded, and for the
-    first-start work the worker is busy with.
+    says what) per engine call start and end, per operator load that succeeded, per runner's
+    death (with the crash rule's verdict), and for the first-start work the worker is busy
+    with.
 
     Lines are under PIPE_BUF (4 KiB) so each write is atomic; writes happen on the event loop
     thread, before the engine is called, so the front has the line if the engine then crashes.
@@ -114,7 +115,7 @@ class ControlChannel:
             # Written before the admin route answers 200, on a pipe the front's event loop
             # reads: the front has acted on it before it reads any request its client sends
             # after that answer.
-            self.send({"k": "operator_loaded", "model": event.model})
+            self.send({"k": "operator_loaded", "model": event.load or event.model})
 
 
 def _die_with_parent() -> None:
@@ -169,8 +170,8 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
     # One-time work of a first start (assembling a packaged model) shows in the front's /readyz.
     scheduler = build_scheduler(config, sinks=(log_event, control.on_event),
                                 announce=control.pending)
-    # The deaths the front has seen (earlier workers' charged to a model, its runners' under
-    # them), and what the crash rule (core.crashes) made of them.
+    # The runner deaths the front has seen under earlier workers, and what the crash rule
+    # (core.crashes) made of those and of the earlier workers' own deaths.
     scheduler.remember_deaths({name: [float(a) for a in ages] for name, ages in deaths.items()})
     for name, rule in quarantine.items():
         if name not in scheduler.model_names():
@@ -196,7 +197,8 @@ async def _serve(config: Any, socket_path: str, control: ControlChannel,
             return JSONResponse(error_body(exc.message, "invalid_request_error",
                                            code="invalid_config"), status_code=400)
         return JSONResponse({"added": list(report.added), "removed": list(report.removed),
-                             "changed": list(report.changed)})
+                             "changed": list(report.changed),
+                             "new_weights": list(report.new_weights)})
 
     server = uvicorn_server.Server(uvicorn_server.Config(
         app, uds=socket_path, log_level=config.server.log_level, lifespan="on",

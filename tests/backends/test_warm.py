@@ -147,7 +147,21 @@ def test_a_runner_that_died_while_warm_is_not_restored(tmp_path: Path) -> None:
         with pytest.raises(EngineDied) as died:  # the scheduler counts it, loads it anew
             backend.restore_weights()
         assert died.value.exit.cause == "SIGKILL" and died.value.doing == "warm"
-        assert not backend.release_weights()  # nothing left to release: unloaded
+    finally:
+        backend.unload()
+
+
+def test_a_runner_that_died_hot_is_a_death_when_it_is_sent_to_warm(tmp_path: Path) -> None:
+    """Killed idle, its reaper's report not yet handled by the scheduler: the eviction that
+    sends it to warm finds it gone and says so, for the scheduler to count (doing "idle")."""
+    backend = _runner(tmp_path, "smollm2-135m-instruct")
+    try:
+        assert backend.pid is not None
+        os.kill(backend.pid, signal.SIGKILL)
+        assert backend.exited(10) is not None  # reaped
+        with pytest.raises(EngineDied) as died:
+            backend.release_weights()
+        assert died.value.exit.cause == "SIGKILL" and died.value.doing == "idle"
     finally:
         backend.unload()
 

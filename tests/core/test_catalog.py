@@ -49,6 +49,7 @@ def test_diff(old: dict[str, Listed], entries: list[Entry], added: tuple[str, ..
     assert (answer.report.added, answer.report.removed, answer.report.changed) == (
         added, removed, changed)
     assert answer.kept == kept
+    assert answer.report.new_weights == tuple(n for n in changed if n not in kept)
 
 
 PIN_CASES = [

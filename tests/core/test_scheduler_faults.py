@@ -324,7 +324,8 @@ async def test_an_operators_load_is_reported_once_it_succeeded_and_never_when_it
 
     await s.load("q")
     assert h.state("q") is State.HOT
-    assert h.events.of(OperatorLoadEvent) == [OperatorLoadEvent(model="q", device="cpu")]
+    assert h.events.of(OperatorLoadEvent) == [OperatorLoadEvent(model="q", device="cpu",
+                                                                load="q")]
     await s.load("q")  # already hot: the operator's load still succeeded
     assert [e.model for e in h.events.of(OperatorLoadEvent)] == ["q", "q"]
     await s.close()
@@ -766,7 +767,7 @@ async def test_reconfigure_new_weights_are_a_remove_and_add_under_the_same_name(
     s = h.scheduler
     old = await hold(s, "m")
     report = await s.reconfigure([entry("m", context_length=512)])
-    assert report == ReconfigureReport(added=(), removed=(), changed=("m",))
+    assert report == ReconfigureReport(added=(), removed=(), changed=("m",), new_weights=("m",))
 
     backend = backend_of(await use(s, "m"))  # new requests get the new weights
     assert backend is h.built[1] and backend.spec.context_length == 512

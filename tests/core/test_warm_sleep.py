@@ -212,6 +212,21 @@ async def test_a_runner_found_dead_asleep_is_counted_as_a_warm_death_and_loaded_
     await s.close()
 
 
+async def test_a_runner_found_dead_when_sent_to_sleep_is_counted_once_as_idle() -> None:
+    """Killed hot and idle, its reaper's report not yet handled when an eviction sends it to
+    sleep: the death is counted there (doing "idle"), and the model goes cold."""
+    card = Card([model("a", 4096)], 6 * GIB)
+    s = card.scheduler
+    await s.start()
+    await use(s, "a")
+    card.runner("a").killed_hot = True
+    await s.offload("a")
+    assert s.state_of("a") is State.COLD
+    [crash] = card.events.of(CrashEvent)
+    assert (crash.doing, crash.action, crash.signal) == ("idle", "reload", "SIGKILL")
+    await s.close()
+
+
 async def test_a_runner_that_dies_going_to_sleep_is_counted_and_goes_cold() -> None:
     """It crashed freeing its buffers: a death (doing "going warm"), and the eviction unloads
     it; the next request loads it anew."""

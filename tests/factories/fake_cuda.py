@@ -247,6 +247,7 @@ class SleepingRunner(FakeBackend):
     wake_dies: bool = False
     sleep_dies: bool = False
     killed_asleep: bool = False  # its reaper's report never reaches the scheduler
+    killed_hot: bool = False  # the same, killed before it was sent to sleep
 
     def _index(self) -> int:
         return _index(self.spec.device)
@@ -266,6 +267,8 @@ class SleepingRunner(FakeBackend):
     def release_weights(self) -> bool:
         if not self._loaded or self._warm:
             return False
+        if self.killed_hot:
+            self._abort("idle", "SIGKILL")
         if self.sleep_dies:
             self._abort("going warm")
         self.cuda.free(self.pid, self._index(), declared_bytes(self.spec))

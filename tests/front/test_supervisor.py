@@ -136,3 +136,51 @@ def test_a_wedged_scheduler_is_restarted_and_only_the_hung_load_is_charged(
             await supervisor.stop()
 
     asyncio.run(scenario())
+
+
+def test_runner_deaths_are_kept_for_the_next_worker_as_the_worker_counts_them(
+        tmp_path: Path) -> None:
+    """The worker reports each runner's death with its verdict (`exit` on the pipe): the
+    supervisor keeps the deaths under each name of the load and holds the verdict for the next
+    worker (PACKSERVE_DEATHS, PACKSERVE_QUARANTINE); what runs out is dropped from /healthz;
+    an operator's load of the load forgets every name of it; a reload verdict (the worker's
+    slate was clean: an operator's load had forgotten the deaths) ends what was held; a reload
+    of the config forgets the names it removed or gave new weights."""
+    config = load_config(fake_config(tmp_path))
+    now = [0.0]
+
+    def died(deaths: list[float]) -> crashes.Verdict:
+        return crashes.judge(deaths, 300.0)
+
+    async def scenario() -> None:
+        supervisor = Supervisor(config, clock=lambda: now[0])
+        supervisor._runner_exit("a+b", "SIGKILL", "idle", died([0.0]))
+        assert supervisor._ages() == {"a": [0.0], "b": [0.0]} and supervisor._rules() == {}
+        now[0] = 10.0
+        supervisor._runner_exit("a+b", "SIGKILL", "idle", died([0.0, 10.0]))
+        assert supervisor.view()["backing_off"] == {"a": 2.0, "b": 2.0}
+        now[0] = 20.0
+        assert supervisor.view()["backing_off"] == {} and supervisor._rules() == {}
+        now[0] = 30.0
+        supervisor._runner_exit("a+b", "SIGSEGV", "serving", died([0.0, 10.0, 30.0]))
+        reason = "its engine process died 3 times within crash_window_s, last SIGSEGV while " \
+                 "serving"
+        assert supervisor.view()["quarantined"] == {"a": reason, "b": reason}
+        assert supervisor._rules()["b"] == {"action": "quarantine", "for_s": 300.0,
+                                            "reason": reason}
+        assert supervisor._ages() == {"a": [30.0, 20.0, 0.0], "b": [30.0, 20.0, 0.0]}
+        now[0] = 331.0  # the quarantine has run out: /healthz no longer lists it
+        assert supervisor.view()["quarantined"] == {}
+        now[0] = 340.0
+        supervisor._runner_exit("a+b", "SIGKILL", "idle", died([330.0, 340.0]))
+        supervisor._operator_loaded("a+b")
+        assert supervisor._ages() == {} and supervisor._rules() == {}
+        # an operator's load whose runner died loading: the worker's slate was clean
+        supervisor._runner_exit("a+b", "SIGKILL", "idle", died([350.0, 360.0]))
+        now[0] = 361.0
+        supervisor._runner_exit("a+b", "SIGKILL", "loading", died([361.0]))
+        assert supervisor._ages() == {"a": [0.0], "b": [0.0]} and supervisor._rules() == {}
+        supervisor.forget(["b"], "a reload")
+        assert supervisor._ages() == {"a": [0.0]}
+
+    asyncio.run(scenario())

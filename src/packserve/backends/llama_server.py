@@ -301,10 +301,16 @@ class RunnerBackend(Backend):
 
     def release_weights(self) -> bool:
         """Hot -> warm (`warm_state`): the runner drops its weights file's pages from its
-        resident set, or goes to sleep, and keeps running. False if it is gone or could not,
-        or has no warm state: the scheduler unloads it."""
+        resident set, or goes to sleep, and keeps running. False if it could not, or has no
+        warm state: the scheduler unloads it. Raises EngineDied if the runner died (hot, and
+        its reaper's report may still be on its way: the scheduler counts it here)."""
         state = self.warm_state
-        if state is None or not self.child.alive():
+        if state is None:
+            return False
+        if not self.child.alive():
+            died = self._died_warm(None, "while idle", "idle")
+            if isinstance(died, EngineDied):
+                raise died
             return False
         self.host.turns.forget(self.child.turn)  # it is idle: if its turn had it stopped, it runs
         try:

@@ -80,6 +80,7 @@ class ReconfigureReport:
     added: tuple[str, ...]
     removed: tuple[str, ...]
     changed: tuple[str, ...]  # quotas, pin, tasks or estimate; or new weights (a remove + add)
+    new_weights: tuple[str, ...] = ()  # those of `changed` whose weights are new
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def diff(old: Mapping[str, Listed], entries: Sequence[Entry]) -> CatalogDiff:
     removal plus an addition under the same name, reported as changed."""
     added: list[str] = []
     changed: list[str] = []
+    new_weights: list[str] = []
     kept: set[str] = set()
     pinned: dict[str, bool] = {}
     for e in entries:
@@ -109,10 +111,13 @@ def diff(old: Mapping[str, Listed], entries: Sequence[Entry]) -> CatalogDiff:
             pinned[name] = e.spec.pin if before.spec.pin != e.spec.pin else before.pinned
         else:
             (added if before is None else changed).append(name)
+            if before is not None:
+                new_weights.append(name)
             pinned[name] = e.spec.pin
     removed = tuple(n for n in old if n not in pinned)
     return CatalogDiff(report=ReconfigureReport(added=tuple(added), removed=removed,
-                                                changed=tuple(changed)),
+                                                changed=tuple(changed),
+                                                new_weights=tuple(new_weights)),
                        kept=frozenset(kept), pinned=pinned)
 
 

@@ -108,12 +108,14 @@ class OperatorLoadEvent:
     cooldown, a quarantine) is cleared.
 
     Emitted once, after the load, only when it succeeded: never for one that failed or whose
-    caller was cancelled. A front supervising this process forgives the model's crash charges
-    on it (packserve.front.supervisor), so the next worker does not quarantine it again.
+    caller was cancelled. A front supervising this process forgives the crash charges of every
+    name of the load (`load`; packserve.front.supervisor), so the next worker does not
+    quarantine it again.
     """
 
     model: str  # the catalog name the operator gave, not the weights' label
     device: str
+    load: str = ""  # the weights' label: every name that shares the load, "a+b"
     kind: str = "operator_load"
 
 

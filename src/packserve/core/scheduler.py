@@ -461,7 +461,7 @@ class Scheduler:
                     res.move(State.ADMITTING)  # the engine undid its own load: nothing held
                     reason = f"{type(exc).__name__}: {exc}"
                     if isinstance(exc, EngineDied):  # its process died or hung: a death too
-                        self._died(res, exc.exit, "loading")
+                        self._died(res, exc.exit, exc.doing or "loading")
                     if retried or not is_memory_failure(exc):
                         raise self._failed(res, reason, self._clock() - t_load,
                                            twice=retried) from exc
@@ -666,7 +666,7 @@ class Scheduler:
         if res.state is State.FAILED:
             res.move(State.COLD)
         await self._ensure_hot(res)
-        self._emit(OperatorLoadEvent(model=name, device=res.load.device))
+        self._emit(OperatorLoadEvent(model=name, device=res.load.device, load=res.label))
 
     async def unload(self, name: str) -> None:
         """Operator action: unload `name` if it is hot (or warm) and idle. Conflict if pinned or
@@ -723,7 +723,8 @@ class Scheduler:
         operator loads them again).
 
         Called at a worker's start for a model whose engine crashed the worker three times
-        within crash_window_s (the front's supervisor applies core.crashes). New requests get
+        within crash_window_s (the front's supervisor applies core.crashes), or whose runner
+        died three times under earlier workers (the verdict the front held for it). New requests get
         ModelUnavailable naming the model and the reason; requests holding a lease finish,
         then the weights are unloaded.
         """
@@ -753,8 +754,8 @@ class Scheduler:
             res.deaths.extend(times[-(res.deaths.maxlen or len(times)):])
 
     def back_off(self, name: str, seconds: float) -> None:
-        """Let `name` load again only after `seconds`: its engine crashed the worker again
-        soon (core.crashes); called at the worker's start."""
+        """Let `name` load again only after `seconds`: its engine crashed the worker, or its
+        runner died, again soon (core.crashes); called at the worker's start."""
         res = self._residency.model(name).resident
         res.restart_at = max(res.restart_at, self._clock() + seconds)
 

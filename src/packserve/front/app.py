@@ -183,6 +183,9 @@ class Front:
                               f"serving") from exc
         self.config = new
         self.supervisor.config = new
+        # Deaths of weights that are gone are no charge against those that replace them.
+        self.supervisor.forget([*body.get("removed", ()), *body.get("new_weights", ())],
+                               "a reload")
         _event_log.info(json.dumps({"ts": round(time.time(), 3), "kind": "reload", **body},
                                    sort_keys=True))
         return {"status": "reloaded", **body}

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -154,11 +154,13 @@ class Worker:
 
     def on_line(self, line: bytes) -> None:
         try:
-            msg = json.loads(line)
-            kind = msg.get("k")
-        except (ValueError, AttributeError):
+            self._on_line(line)
+        except (ValueError, AttributeError, KeyError, TypeError):  # the pipe's reader goes on
             log.error("unreadable control line from worker %d: %r", self.generation, line[:200])
-            return
+
+    def _on_line(self, line: bytes) -> None:
+        msg = json.loads(line)
+        kind = msg.get("k")
         if kind == "start":
             self.running[msg["rid"]] = Running(model=msg["model"], task=msg["task"])
         elif kind == "end":
@@ -176,13 +178,9 @@ class Worker:
         elif kind == "operator_loaded":
             self.on_operator_load(msg["model"])
         elif kind == "exit":
-            try:
-                model, cause, doing = str(msg["model"]), str(msg["signal"]), str(msg["doing"])
-                verdict = crashes.Verdict(crashes.Action(msg["action"]), float(msg["for_s"]),
-                                          int(msg["deaths"]))
-            except (KeyError, TypeError, ValueError):
-                log.error("unreadable runner death from worker %d: %r", self.generation, msg)
-                return
+            model, cause, doing = str(msg["model"]), str(msg["signal"]), str(msg["doing"])
+            verdict = crashes.Verdict(crashes.Action(msg["action"]), float(msg["for_s"]),
+                                      int(msg["deaths"]))
             self.on_runner_exit(model, cause, doing, verdict)
 
 
@@ -278,14 +276,21 @@ class Supervisor:
         except TimeoutError:
             raise WorkerAlive(worker.pid) from None
 
-    def _operator_loaded(self, model: str) -> None:
-        """A worker reported that an operator's load of `model` succeeded: it is no longer
-        quarantined, its charges are forgiven."""
-        if self.quarantined.pop(model, None) is not None:
-            log.info("%s: quarantine lifted by an operator's load", model)
-        self._held.pop(model, None)
-        self._charges.pop(model, None)
-        self._runner_deaths.pop(model, None)
+    def _operator_loaded(self, load: str) -> None:
+        """A worker reported that an operator's load succeeded (`load`: every name of it,
+        "a+b"): they are no longer held back, their charges and deaths are forgiven."""
+        self.forget(load.split("+"), "an operator's load")
+
+    def forget(self, models: Iterable[str], why: str) -> None:
+        """Forget what the crash rule holds against `models`: their charges, runner deaths,
+        back-offs and quarantines (an operator loaded them; a reload removed them or gave
+        them new weights)."""
+        for model in models:
+            if self.quarantined.pop(model, None) is not None:
+                log.info("%s: quarantine lifted by %s", model, why)
+            self._held.pop(model, None)
+            self._charges.pop(model, None)
+            self._runner_deaths.pop(model, None)
 
     def hold(self, model: str, verdict: crashes.Verdict, reason: str) -> None:
         """Apply the crash rule's `verdict` on `model`: from the next worker on, it backs off
@@ -294,17 +299,29 @@ class Supervisor:
             return
         if verdict.action is crashes.Action.QUARANTINE:
             self.quarantined[model] = reason
+        else:
+            self.quarantined.pop(model, None)
         self._held[model] = (verdict.action, self._clock() + verdict.delay_s)
 
     def _runner_exit(self, model: str, cause: str, doing: str,
                      verdict: crashes.Verdict) -> None:
         """A runner of `model` ("a+b": one load of both) died, and the worker's scheduler
-        judged it: counted, kept under each name and held (`hold`) for the next worker."""
+        judged it: counted, kept under each name and held (`hold`) for the next worker. The
+        worker's count is the truth: deaths it no longer counts (forgotten by an operator's
+        load, or out of the window) are dropped, and a reload verdict (its model was serving,
+        so nothing held it back) ends what was held."""
         now = self._clock()
         reason = crashes.quarantine_reason(verdict.deaths, cause, doing)
         for name in model.split("+"):
-            self._runner_deaths.setdefault(name, deque(maxlen=8)).append(now)
-            self.hold(name, verdict, reason)
+            times = self._runner_deaths.setdefault(name, deque(maxlen=8))
+            times.append(now)
+            while len(times) > max(verdict.deaths, 1):
+                times.popleft()
+            if verdict.action is crashes.Action.RELOAD:
+                self._held.pop(name, None)
+                self.quarantined.pop(name, None)
+            else:
+                self.hold(name, verdict, reason)
             if self._on_runner_crash is not None:
                 self._on_runner_crash(name, cause)
 
@@ -314,21 +331,26 @@ class Supervisor:
         return {model: [round(now - t, 3) for t in times]
                 for model, times in self._runner_deaths.items() if times}
 
-    def _rules(self) -> dict[str, dict[str, object]]:
-        """What the next worker is told of each model the crash rule holds back: the action,
-        the reason and the seconds left; what has run out is forgotten."""
+    def _expire(self) -> float:
+        """Forget the back-offs and quarantines that have run out; the clock's now."""
         now = self._clock()
         for model, (_action, until) in list(self._held.items()):
             if until <= now:
                 del self._held[model]
                 self.quarantined.pop(model, None)
+        return now
+
+    def _rules(self) -> dict[str, dict[str, object]]:
+        """What the next worker is told of each model the crash rule holds back: the action,
+        the reason and the seconds left; what has run out is forgotten."""
+        now = self._expire()
         return {model: {"action": action.value, "for_s": until - now,
                         "reason": self.quarantined.get(model, "")}
                 for model, (action, until) in self._held.items()}
 
     def view(self) -> dict[str, object]:
         worker = self.current
-        now = self._clock()
+        now = self._expire()
         return {"state": self.state.value, "pid": worker.pid if worker else None,
                 "generation": self._generation, "crashes": len(self.crashes),
                 "quarantined": dict(self.quarantined),
