@@ -212,33 +212,23 @@ async def test_a_runner_found_dead_asleep_is_counted_as_a_warm_death_and_loaded_
     await s.close()
 
 
-async def test_a_runner_found_dead_when_sent_to_sleep_is_counted_once_as_idle() -> None:
-    """Killed hot and idle, its reaper's report not yet handled when an eviction sends it to
-    sleep: the death is counted there (doing "idle"), and the model goes cold."""
+@pytest.mark.parametrize(("fault", "doing", "signal"), [
+    ("sleep_dies", "going warm", "SIGABRT"),  # it crashed freeing its buffers
+    ("killed_hot", "idle", "SIGKILL"),  # killed idle, its reaper's report not yet handled
+])
+async def test_a_runner_that_dies_as_it_is_sent_to_sleep_is_counted_once_and_goes_cold(
+        fault: str, doing: str, signal: str) -> None:
+    """The eviction finds the runner dead: a death, counted there once with what it was doing,
+    and the eviction unloads it; the next request loads it anew."""
     card = Card([model("a", 4096)], 6 * GIB)
     s = card.scheduler
     await s.start()
     await use(s, "a")
-    card.runner("a").killed_hot = True
+    setattr(card.runner("a"), fault, True)
     await s.offload("a")
     assert s.state_of("a") is State.COLD
     [crash] = card.events.of(CrashEvent)
-    assert (crash.doing, crash.action, crash.signal) == ("idle", "reload", "SIGKILL")
-    await s.close()
-
-
-async def test_a_runner_that_dies_going_to_sleep_is_counted_and_goes_cold() -> None:
-    """It crashed freeing its buffers: a death (doing "going warm"), and the eviction unloads
-    it; the next request loads it anew."""
-    card = Card([model("a", 4096)], 6 * GIB)
-    s = card.scheduler
-    await s.start()
-    await use(s, "a")
-    card.runner("a").sleep_dies = True
-    await s.offload("a")
-    assert s.state_of("a") is State.COLD
-    crash = card.events.of(CrashEvent)[-1]
-    assert (crash.doing, crash.action, crash.deaths) == ("going warm", "reload", 1)
+    assert (crash.doing, crash.action, crash.signal, crash.deaths) == (doing, "reload", signal, 1)
     out = card.events.of(EvictEvent)[-1]
     assert (out.model, out.tier_to) == ("a", "cold")
     await use(s, "a")
