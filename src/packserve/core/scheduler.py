@@ -724,9 +724,9 @@ class Scheduler:
 
         Called at a worker's start for a model whose engine crashed the worker three times
         within crash_window_s (the front's supervisor applies core.crashes), or whose runner
-        died three times under earlier workers (the verdict the front held for it). New requests get
-        ModelUnavailable naming the model and the reason; requests holding a lease finish,
-        then the weights are unloaded.
+        died three times under earlier workers (the verdict the front held for it). New
+        requests get ModelUnavailable naming the model and the reason; requests holding a
+        lease finish, then the weights are unloaded.
         """
         res = self._residency.model(name).resident
         res.quarantine = reason
