@@ -103,6 +103,35 @@ server_flags+=" -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_
 server_flags+=" -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release"
 server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat "${patches[@]}" "${server_patches[@]}") | sha256sum | cut -c1-16)
 server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
+
+# Disk, before anything is installed. What a setup takes, measured on the 2-core build machine
+# (CPU build, 2026-12-07): a serving .venv 613 MiB; a --dev one 2.7 GiB with .venv-clients 2.4
+# GiB beside it; building llama-server about 400 MiB under TMPDIR, deleted after (the binary
+# kept in the cache is 15 MiB). What is already there counts. A shortfall is a warning, not a
+# refusal (the figures are this machine's): pip's own "No space left on device" comes late and
+# names neither the folder nor the size.
+venv_mib=650
+venvs=(.venv)
+[ "$mode" = serve ] || { venv_mib=5300; venvs+=(.venv-clients); }
+if $server_only; then
+  venv_mib=0
+else
+  have_mib=$(du -smc "${venvs[@]}" 2>/dev/null | tail -n 1 | cut -f1) || true
+  venv_mib=$((venv_mib > ${have_mib:-0} ? venv_mib - ${have_mib:-0} : 0))
+fi
+build_mib=0
+[ -x "$server_dir/llama-server" ] || build_mib=450
+tmp_root=${TMPDIR:-/tmp}
+free_mib() { df -Pm "$1" 2>/dev/null | awk 'NR == 2 { print $4 }'; }
+venv_free=$(free_mib .) || venv_free=""
+tmp_free=$(free_mib "$tmp_root") || tmp_free=""
+disk_check() {  # NEED_MIB FREE_MIB FOLDER WHAT
+  [ "$1" -gt 0 ] && [ -n "$2" ] && [ "$2" -lt "$1" ] || return 0
+  echo "packserve setup: warning: $2 MiB free on the disk of $3, and $4 takes about $1 MiB" \
+    "there: setup may stop with 'No space left on device'" >&2
+}
+disk_check "$venv_mib" "$venv_free" "$PWD" "this setup's .venv${venvs[1]:+ and ${venvs[1]}}"
+disk_check "$build_mib" "$tmp_free" "$tmp_root" "building llama-server"
 if $plan; then
   echo "build: $device_build"
   echo "reason: $device_reason"
@@ -118,6 +147,8 @@ if $plan; then
   echo "llama.cpp source: llama-cpp-python $llama_version sdist"
   echo "llama-server: $server_flags"
   echo "llama-server cache: $server_dir"
+  echo "disk for .venv: about $venv_mib MiB more (${venv_free:-?} MiB free in $PWD)"
+  echo "disk for the llama-server build: about $build_mib MiB (${tmp_free:-?} MiB free in $tmp_root)"
   exit 0
 fi
 

@@ -14,13 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def plan(tmp_path: Path, *, smi: str | None = None, nvcc: bool = True,
+def plan(tmp_path: Path, *, smi: str | None = None, nvcc: bool = True, df: str | None = None,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`scripts/setup.sh --plan --dev` with `smi` as nvidia-smi's script body (None: none on
-    PATH) and a fake nvcc on PATH unless `nvcc` is False."""
+    PATH), a fake nvcc on PATH unless `nvcc` is False, and `df` as df's body (None: the
+    system's)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
-    tools = {"nvidia-smi": smi, "nvcc": "echo nvcc 13.0" if nvcc else None}
+    tools = {"nvidia-smi": smi, "nvcc": "echo nvcc 13.0" if nvcc else None, "df": df}
     for name, body in tools.items():
         if body is not None:
             (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
@@ -122,3 +123,27 @@ def test_what_cannot_be_planned_is_refused(tmp_path: Path, env: dict[str, str],
                                            message: str) -> None:
     run = plan(tmp_path, env=env)
     assert run.returncode == 1 and message in run.stderr
+
+
+def df_reporting(free_mib: int) -> str:
+    """A df whose every file system has `free_mib` MiB free, in POSIX's format (`df -Pm`)."""
+    return ("echo 'Filesystem 1048576-blocks Used Available Capacity Mounted on'\n"
+            f"echo '/dev/fake 100000 1000 {free_mib} 1% /'")
+
+
+def test_a_disk_too_small_for_the_build_is_named_before_anything_is_installed(
+        tmp_path: Path) -> None:
+    """The build cache is empty (PACKSERVE_WHEEL_CACHE=/cache), so llama-server would be built
+    under TMPDIR: with 100 MiB free there, setup says so, with the folder and the size."""
+    run = plan(tmp_path, df=df_reporting(100), env={"TMPDIR": str(tmp_path)})
+    got = fields(run)
+    assert got["disk for the llama-server build"] == f"about 450 MiB (100 MiB free in {tmp_path})"
+    assert (f"packserve setup: warning: 100 MiB free on the disk of {tmp_path}, and building "
+            "llama-server takes about 450 MiB there") in run.stderr
+
+
+def test_enough_disk_gives_no_warning(tmp_path: Path) -> None:
+    run = plan(tmp_path, df=df_reporting(10**6), env={"TMPDIR": str(tmp_path)})
+    assert fields(run)["disk for the llama-server build"] == \
+        f"about 450 MiB ({10**6} MiB free in {tmp_path})"
+    assert "warning" not in run.stderr
