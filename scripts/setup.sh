@@ -105,11 +105,12 @@ server_key=$( (printf '%s\n' "$llama_version" "$server_flags" "$(uname -m)"; cat
 server_dir=${PACKSERVE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/packserve/wheels}/llama-server-$server_key
 
 # Disk, before anything is installed. What a setup takes, measured on the 2-core build machine
-# (CPU build, 2026-12-07): a serving .venv 613 MiB; a --dev one 2.7 GiB with .venv-clients 2.4
-# GiB beside it; building llama-server about 400 MiB under TMPDIR, deleted after (the binary
-# kept in the cache is 15 MiB). What is already there counts. A shortfall is a warning, not a
-# refusal (the figures are this machine's): pip's own "No space left on device" comes late and
-# names neither the folder nor the size.
+# (CPU build, 2026-12-07; a CUDA build's torch is larger, not measured): a serving .venv 613
+# MiB; a --dev one 2.7 GiB with .venv-clients 2.4 GiB beside it; building llama-server about
+# 400 MiB under TMPDIR, deleted after (the binary kept in the cache is 15 MiB). What is already
+# there counts, and a TMPDIR on the checkout's disk adds up with it. A shortfall is a warning,
+# not a refusal (the figures are this machine's): pip's own "No space left on device" comes
+# late and names neither the folder nor the size.
 venv_mib=650
 venvs=(.venv)
 [ "$mode" = serve ] || { venv_mib=5300; venvs+=(.venv-clients); }
@@ -126,12 +127,17 @@ free_mib() { df -Pm "$1" 2>/dev/null | awk 'NR == 2 { print $4 }'; }
 venv_free=$(free_mib .) || venv_free=""
 tmp_free=$(free_mib "$tmp_root") || tmp_free=""
 disk_check() {  # NEED_MIB FREE_MIB FOLDER WHAT
-  [ "$1" -gt 0 ] && [ -n "$2" ] && [ "$2" -lt "$1" ] || return 0
+  [[ $2 =~ ^[0-9]+$ ]] && [ "$1" -gt 0 ] && [ "$2" -lt "$1" ] || return 0
   echo "packserve setup: warning: $2 MiB free on the disk of $3, and $4 takes about $1 MiB" \
     "there: setup may stop with 'No space left on device'" >&2
 }
-disk_check "$venv_mib" "$venv_free" "$PWD" "this setup's .venv${venvs[1]:+ and ${venvs[1]}}"
-disk_check "$build_mib" "$tmp_free" "$tmp_root" "building llama-server"
+venv_what="this setup's .venv${venvs[1]:+ and ${venvs[1]}}"
+if [ "$build_mib" -gt 0 ] && [ "$(stat -c %d .)" = "$(stat -c %d "$tmp_root" 2>/dev/null)" ]; then
+  disk_check $((venv_mib + build_mib)) "$venv_free" "$PWD" "$venv_what with the llama-server build"
+else
+  disk_check "$venv_mib" "$venv_free" "$PWD" "$venv_what"
+  disk_check "$build_mib" "$tmp_free" "$tmp_root" "building llama-server"
+fi
 if $plan; then
   echo "build: $device_build"
   echo "reason: $device_reason"
